@@ -1,0 +1,213 @@
+"""Shards, plans, the one plan validator, and plan JSON (DESIGN.md, "Contracts")."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Sequence
+
+from embshard.errors import InfeasibleError, InputError, PlanError
+from embshard.io import write_json_atomic
+from embshard.tables import DIM_ALIGNMENT, Table, _is_int
+from embshard.task import Task, read_json
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A rectangle of one table (rows × columns) living on one device."""
+
+    table: str
+    device: int
+    col_offset: int
+    dim: int
+    row_offset: int
+    rows: int
+
+    @classmethod
+    def whole(cls, table: Table, device: int) -> "Shard":
+        return cls(table.name, device, 0, table.dim, 0, table.rows)
+
+    @property
+    def kind(self) -> str:
+        return "shard"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Shard":
+        fields = ("table", "device", "col_offset", "dim", "row_offset", "rows")
+        if not isinstance(d, dict):
+            raise InputError(f"a shard must be a JSON object, got {type(d).__name__}")
+        missing = [f for f in fields if f not in d]
+        if missing:
+            raise InputError(f"shard of table {d.get('table')!r}: missing field(s) {missing}")
+        for f in fields[1:]:
+            if not _is_int(d[f]):
+                raise InputError(f"shard of table {d['table']!r}: {f} must be an integer, got {d[f]!r}")
+        return cls(**{f: d[f] for f in fields})
+
+
+@dataclass
+class Plan:
+    """Where every piece of every table lives."""
+
+    task: str
+    algorithm: str
+    shards: list[Shard] = field(default_factory=list)
+
+    def shards_on(self, device: int) -> list[Shard]:
+        return [s for s in self.shards if s.device == device]
+
+    def device_widths(self, num_devices: int) -> list[int]:
+        """Sum of shard widths per device: the pooled-embedding columns each device sends."""
+        widths = [0] * num_devices
+        for s in self.shards:
+            widths[s.device] += s.dim
+        return widths
+
+    def memory_bytes(self, task: Task) -> list[int]:
+        """Bytes each device allocates under this plan (weights, optimizer state, I/O)."""
+        tables = task.table_by_name
+        used = [0] * task.num_devices
+        for s in self.shards:
+            if 0 <= s.device < task.num_devices and s.table in tables:
+                used[s.device] += task.shard_memory_bytes(tables[s.table], s.rows, s.dim)
+        return used
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"task": self.task, "algorithm": self.algorithm, "shards": [s.to_dict() for s in self.shards]}
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "plan") -> "Plan":
+        if not isinstance(d, dict):
+            raise InputError(f"{source}: a plan must be a JSON object, got {type(d).__name__}")
+        missing = {"task", "algorithm", "shards"} - set(d)
+        if missing:
+            raise InputError(f"{source}: missing field(s) {sorted(missing)}")
+        if not isinstance(d["shards"], list):
+            raise InputError(f"{source}: 'shards' must be a list")
+        return cls(str(d["task"]), str(d["algorithm"]), [Shard.from_dict(s) for s in d["shards"]])
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        return cls.from_dict(read_json(path), source=str(path))
+
+
+def validate(task: Task, plan: Plan) -> None:
+    """Raise PlanError unless `plan` is a valid plan for `task`.
+
+    Rules: every shard names a table of the task and a device in range; column offsets and
+    widths are multiples of 4; every table's rows × columns are covered exactly once; every
+    device's memory (weights + optimizer state + pooled I/O) fits its budget.
+    """
+    if plan.task != task.name:
+        raise PlanError(f"plan is for task {plan.task!r}, not {task.name!r}")
+    tables = task.table_by_name
+    by_table: dict[str, list[Shard]] = {name: [] for name in tables}
+    for s in plan.shards:
+        if s.table not in tables:
+            raise PlanError(f"shard names table {s.table!r}, which task {task.name!r} does not have")
+        if not 0 <= s.device < task.num_devices:
+            raise PlanError(f"table {s.table!r}: device {s.device} out of range 0..{task.num_devices - 1}")
+        t = tables[s.table]
+        if s.dim <= 0 or s.rows <= 0 or s.col_offset < 0 or s.row_offset < 0:
+            raise PlanError(f"table {s.table!r}: shard has non-positive size or negative offset: {s}")
+        if s.col_offset % DIM_ALIGNMENT or s.dim % DIM_ALIGNMENT:
+            raise PlanError(
+                f"table {s.table!r}: column split at offset {s.col_offset} width {s.dim} "
+                f"is not a multiple of {DIM_ALIGNMENT}"
+            )
+        if s.col_offset + s.dim > t.dim or s.row_offset + s.rows > t.rows:
+            raise PlanError(
+                f"table {s.table!r}: shard [{s.row_offset}:{s.row_offset + s.rows}, "
+                f"{s.col_offset}:{s.col_offset + s.dim}] exceeds the table's {t.rows} × {t.dim}"
+            )
+        by_table[s.table].append(s)
+    for name, shards in by_table.items():
+        t = tables[name]
+        if not shards:
+            raise PlanError(f"table {name!r} is not placed on any device")
+        _check_exact_cover(t, shards)
+    used = plan.memory_bytes(task)
+    for device, used_bytes in enumerate(used):
+        if used_bytes > task.device_memory_bytes:
+            names = sorted({s.table for s in plan.shards_on(device)})
+            raise PlanError(
+                f"device {device} needs {used_bytes} bytes but has {task.device_memory_bytes} "
+                f"(over by {used_bytes - task.device_memory_bytes} bytes); tables: {', '.join(names)}"
+            )
+
+
+def _check_exact_cover(table: Table, shards: Sequence[Shard]) -> None:
+    area = sum(s.rows * s.dim for s in shards)
+    for i, a in enumerate(shards):
+        for b in shards[i + 1 :]:
+            rows_overlap = a.row_offset < b.row_offset + b.rows and b.row_offset < a.row_offset + a.rows
+            cols_overlap = a.col_offset < b.col_offset + b.dim and b.col_offset < a.col_offset + a.dim
+            if rows_overlap and cols_overlap:
+                raise PlanError(f"table {table.name!r} is covered twice: {a} overlaps {b}")
+    if area != table.rows * table.dim:
+        missing = table.rows * table.dim - area
+        raise PlanError(
+            f"table {table.name!r}: shards cover {area} of {table.rows * table.dim} cells ({missing} uncovered)"
+        )
+
+
+class MemoryLedger:
+    """Free memory per device while a sharder places pieces; the one place placement
+    decides whether something fits and, when it fits nowhere, says by how much."""
+
+    def __init__(self, task: Task):
+        self.task = task
+        self.free = [task.device_memory_bytes] * task.num_devices
+
+    def need(self, table: Table, rows: int | None = None, dim: int | None = None) -> int:
+        return self.task.shard_memory_bytes(table, table.rows if rows is None else rows, table.dim if dim is None else dim)
+
+    def fits(self, device: int, nbytes: int) -> bool:
+        return self.free[device] >= nbytes
+
+    def devices_with_room(self, nbytes: int) -> list[int]:
+        return [d for d in range(self.task.num_devices) if self.free[d] >= nbytes]
+
+    def take(self, device: int, nbytes: int) -> None:
+        if self.free[device] < nbytes:
+            raise PlanError(f"device {device} has {self.free[device]} bytes free, {nbytes} requested")
+        self.free[device] -= nbytes
+
+    def give(self, device: int, nbytes: int) -> None:
+        self.free[device] += nbytes
+
+    def nowhere(self, table: Table, nbytes: int) -> InfeasibleError:
+        """The error for a piece of `nbytes` that fits on no device."""
+        best = max(range(self.task.num_devices), key=lambda d: self.free[d])
+        short = nbytes - self.free[best]
+        return infeasible(table, nbytes, self.free[best], best, short)
+
+
+def infeasible(table: Table, nbytes: int, free_bytes: int, device: int, short: int) -> InfeasibleError:
+    return InfeasibleError(
+        f"table {table.name!r} needs {nbytes} bytes but the most free memory on any device is "
+        f"{free_bytes} bytes (device {device}): short by {short} bytes",
+        table=table.name,
+        shortfall_bytes=short,
+    )
+
+
+def check_feasible(task: Task) -> None:
+    """Fail fast when the whole task cannot fit in the devices' total memory."""
+    total_free = task.num_devices * task.device_memory_bytes
+    needed = sum(task.table_memory_bytes(t) for t in task.tables)
+    if needed > total_free:
+        biggest = max(task.tables, key=task.table_memory_bytes)
+        raise InfeasibleError(
+            f"task {task.name!r} needs {needed} bytes on {task.num_devices} devices of "
+            f"{task.device_memory_bytes} bytes ({total_free} in all): short by {needed - total_free} bytes "
+            f"(largest table {biggest.name!r}, {task.table_memory_bytes(biggest)} bytes)",
+            table=biggest.name,
+            shortfall_bytes=needed - total_free,
+        )

@@ -1,0 +1,178 @@
+"""A sharding task: tables, devices, memory per device, batch size, optimizer, topology.
+
+This module is the one place that knows the task JSON schema (DESIGN.md, "Contracts").
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from embshard.errors import InputError
+from embshard.io import write_json_atomic
+from embshard.tables import Table, _is_int
+
+#: Bytes of optimizer state per table row, as a function of dim, for the fused optimizers
+#: FBGEMM's table-batched kernel supports. EXACT_SGD keeps no state.
+OPTIMIZER_STATE_BYTES_PER_ROW = {
+    "sgd": lambda dim: 0,
+    "rowwise_adagrad": lambda dim: 4,
+    "adagrad": lambda dim: 4 * dim,
+    "adam": lambda dim: 8 * dim,
+}
+#: The pooled output of the kernel and its gradient are fp32 tensors of batch × width.
+OUTPUT_BYTES_PER_ELEMENT = 4
+
+
+@dataclass(frozen=True)
+class Task:
+    """What to shard and onto what.
+
+    Args:
+        name: task identifier, echoed in plans and reports.
+        num_devices: number of devices (ranks).
+        device_memory_bytes: memory budget of each device for embedding work.
+        batch_size: global batch size of one training step.
+        tables: the tables; names are unique.
+        optimizer: fused embedding optimizer; decides the optimizer state counted in memory.
+        devices_per_host: devices sharing a fast interconnect (topology); equals
+            num_devices for a single host.
+    """
+
+    name: str
+    num_devices: int
+    device_memory_bytes: int
+    batch_size: int
+    tables: tuple[Table, ...]
+    optimizer: str = "sgd"
+    devices_per_host: int | None = None
+
+    def __post_init__(self) -> None:
+        where = f"task {self.name!r}"
+        if not _is_int(self.num_devices) or self.num_devices <= 0:
+            raise InputError(f"{where}: num_devices must be a positive integer, got {self.num_devices!r}")
+        if not _is_int(self.device_memory_bytes) or self.device_memory_bytes <= 0:
+            raise InputError(
+                f"{where}: device_memory_bytes must be a positive integer, got {self.device_memory_bytes!r}"
+            )
+        if not _is_int(self.batch_size) or self.batch_size <= 0:
+            raise InputError(f"{where}: batch_size must be a positive integer, got {self.batch_size!r}")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES_PER_ROW:
+            raise InputError(
+                f"{where}: optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES_PER_ROW)}, got {self.optimizer!r}"
+            )
+        if not self.tables:
+            raise InputError(f"{where}: has no tables")
+        object.__setattr__(self, "tables", tuple(self.tables))
+        names = [t.name for t in self.tables]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise InputError(f"{where}: duplicate table name(s) {dupes}")
+        if self.devices_per_host is None:
+            object.__setattr__(self, "devices_per_host", self.num_devices)
+        elif not _is_int(self.devices_per_host) or self.devices_per_host <= 0:
+            raise InputError(f"{where}: devices_per_host must be a positive integer")
+
+    # ------------------------------------------------------------------ lookups
+    def table(self, name: str) -> Table:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def table_by_name(self) -> dict[str, Table]:
+        return {t.name: t for t in self.tables}
+
+    # ------------------------------------------------------------------ memory
+    def shard_memory_bytes(self, table: Table, rows: int, dim: int) -> int:
+        """Bytes a device allocates for a `rows × dim` piece of `table` during training.
+
+        Weights, the fused optimizer's state, and the pooled output plus its gradient for
+        the whole global batch (the kernel computes the piece's pooled sums for every sample
+        before the all-to-all).
+        """
+        weights = rows * dim * table.bytes_per_element
+        optimizer_state = rows * OPTIMIZER_STATE_BYTES_PER_ROW[self.optimizer](dim)
+        io = 2 * self.batch_size * dim * OUTPUT_BYTES_PER_ELEMENT
+        return weights + optimizer_state + io
+
+    def table_memory_bytes(self, table: Table) -> int:
+        return self.shard_memory_bytes(table, table.rows, table.dim)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "num_devices": self.num_devices,
+            "device_memory_bytes": self.device_memory_bytes,
+            "batch_size": self.batch_size,
+            "optimizer": self.optimizer,
+            "tables": [t.to_dict() for t in self.tables],
+        }
+        if self.devices_per_host != self.num_devices:
+            d["devices_per_host"] = self.devices_per_host
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "task") -> "Task":
+        if not isinstance(d, dict):
+            raise InputError(f"{source}: a task must be a JSON object, got {type(d).__name__}")
+        missing = {"name", "num_devices", "device_memory_bytes", "batch_size", "tables"} - set(d)
+        if missing:
+            raise InputError(f"{source}: missing field(s) {sorted(missing)}")
+        if not isinstance(d["tables"], list):
+            raise InputError(f"{source}: 'tables' must be a list")
+        return cls(
+            name=str(d["name"]),
+            num_devices=d["num_devices"],
+            device_memory_bytes=d["device_memory_bytes"],
+            batch_size=d["batch_size"],
+            tables=tuple(Table.from_dict(t) for t in d["tables"]),
+            optimizer=d.get("optimizer", "sgd"),
+            devices_per_host=d.get("devices_per_host"),
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Task":
+        return cls.from_dict(read_json(path), source=str(path))
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file, turning every way it can be wrong into one InputError line."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{p}: no such file")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"{p}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{p}: not a text file") from None
+
+
+def load_tasks(spec: str | os.PathLike) -> list[Task]:
+    """Tasks from a file, a folder of `*.json` files, or a glob pattern, sorted by path."""
+    spec = str(spec)
+    p = Path(spec)
+    if p.is_dir():
+        paths = sorted(p.glob("*.json"))
+    elif any(ch in spec for ch in "*?["):
+        paths = sorted(Path(x) for x in glob.glob(spec))
+    else:
+        paths = [p]
+    if not paths:
+        raise InputError(f"{spec}: no task JSON files found")
+    tasks = [Task.load(x) for x in paths]
+    names = [t.name for t in tasks]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise InputError(f"{spec}: duplicate task name(s) {dupes}")
+    return tasks
