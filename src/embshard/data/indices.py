@@ -6,6 +6,8 @@ FBGEMM's (indices, offsets) layout for one table and one batch.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import torch
 
@@ -29,7 +31,7 @@ def batch_indices(
     total = int(lengths.sum())
     # Heavy-tailed popularity: a few hot rows take most accesses, as in real tables.
     ranks = np.floor(rows ** rng.random(total)).astype(np.int64) - 1
-    perm_seed = hash(table.name) & 0xFFFFFFFF
+    perm_seed = zlib.crc32(table.name.encode())  # stable across processes, unlike hash()
     indices = (ranks * 2654435761 + perm_seed) % rows
     offsets = np.zeros(batch_size + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
