@@ -1,0 +1,1 @@
+"""Search algorithms: every one implements the Sharder protocol (search/base.py)."""

@@ -1,0 +1,104 @@
+"""Plan tasks with several algorithms and evaluate the plans: the work behind shard.py."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from embshard.costs.base import CostModel, DeviceCosts
+from embshard.errors import EmbshardError
+from embshard.plan import Plan, validate
+from embshard.search.base import Sharder
+from embshard.task import Task
+
+log = logging.getLogger(__name__)
+
+EVALUATE_MODES = ("none", "estimated", "measured")
+
+
+@dataclass
+class Result:
+    """One algorithm on one task: the row report.json holds (DESIGN.md contract)."""
+
+    task: str
+    algorithm: str
+    valid: bool
+    error: str | None = None
+    plan: Plan | None = None
+    search_seconds: float | None = None
+    memory_bytes: list[int] = field(default_factory=list)
+    estimated: DeviceCosts | None = None
+    measured: DeviceCosts | None = None
+
+    @property
+    def estimated_cost_ms(self) -> float | None:
+        return self.estimated.plan_cost_ms if self.estimated else None
+
+    @property
+    def measured_cost_ms(self) -> float | None:
+        return self.measured.plan_cost_ms if self.measured else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "algorithm": self.algorithm,
+            "valid": self.valid,
+            "error": self.error,
+            "search_seconds": self.search_seconds,
+            "estimated_cost_ms": self.estimated_cost_ms,
+            "measured_cost_ms": self.measured_cost_ms,
+            "measured_spread_ms": self.measured.plan_cost_spread_ms if self.measured else None,
+            "memory_bytes": self.memory_bytes,
+            "estimated_device_costs": self.estimated.to_dict() if self.estimated else None,
+            "measured_device_costs": self.measured.to_dict() if self.measured else None,
+        }
+
+
+def plan_task(task: Task, sharders: Mapping[str, Sharder]) -> list[Result]:
+    """Run every sharder on `task`; a plan that fails or breaks a rule is recorded, never kept."""
+    results = []
+    for name, sharder in sharders.items():
+        start = time.perf_counter()
+        try:
+            plan = sharder.shard(task)
+            seconds = time.perf_counter() - start
+            plan.algorithm = name
+            validate(task, plan)
+        except EmbshardError as e:
+            seconds = time.perf_counter() - start
+            log.warning("%s on %s: no valid plan: %s", name, task.name, e)
+            results.append(Result(task.name, name, valid=False, error=str(e), search_seconds=seconds))
+            continue
+        # A sharder may report its own pure search time (TorchRec's excludes model building).
+        seconds = getattr(sharder, "last_search_seconds", None) or seconds
+        results.append(
+            Result(task.name, name, valid=True, plan=plan, search_seconds=seconds, memory_bytes=plan.memory_bytes(task))
+        )
+    return results
+
+
+def evaluate_task(
+    task: Task,
+    results: Sequence[Result],
+    mode: str,
+    cost_model: CostModel | None = None,
+    evaluator: Any = None,
+    rounds: int = 5,
+) -> None:
+    """Fill in estimated and/or measured costs of the valid results in place.
+
+    `measured` measures all valid plans of the task together, interleaved (A B A B …),
+    so machine drift hits every algorithm alike; it also fills the estimate.
+    """
+    valid = [r for r in results if r.valid]
+    if mode == "none" or not valid:
+        return
+    if cost_model is not None:
+        for r in valid:
+            r.estimated = cost_model.device_costs(task, r.plan)
+    if mode == "measured":
+        costs = evaluator.measure_many(task, [r.plan for r in valid], rounds=rounds)
+        for r, c in zip(valid, costs):
+            r.measured = c

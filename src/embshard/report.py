@@ -1,0 +1,104 @@
+"""Comparison tables and charts of algorithms over tasks."""
+
+from __future__ import annotations
+
+import math
+import os
+from statistics import mean
+from typing import Any, Sequence
+
+from embshard.compare import Result
+from embshard.io import atomic_path
+
+
+def summarize(results: Sequence[Result], metric: str = "measured_cost_ms") -> list[dict[str, Any]]:
+    """Per algorithm: valid plans, mean cost, mean ratio to the best plan per task, search time.
+
+    Tasks where an algorithm found no valid plan count against it in `valid`, never silently
+    drop out: the ratio is averaged over the tasks it solved, and `valid` says how many.
+    """
+    algorithms = list(dict.fromkeys(r.algorithm for r in results))
+    tasks = list(dict.fromkeys(r.task for r in results))
+    best: dict[str, float] = {}
+    for task in tasks:
+        costs = [getattr(r, metric) for r in results if r.task == task and getattr(r, metric) is not None]
+        if costs:
+            best[task] = min(costs)
+    rows = []
+    for alg in algorithms:
+        mine = [r for r in results if r.algorithm == alg]
+        costs = [getattr(r, metric) for r in mine if getattr(r, metric) is not None]
+        ratios = [getattr(r, metric) / best[r.task] for r in mine if getattr(r, metric) is not None and best.get(r.task)]
+        spreads = [r.measured.plan_cost_spread_ms for r in mine if r.measured and r.measured.plan_cost_spread_ms is not None]
+        rows.append(
+            {
+                "algorithm": alg,
+                "valid": sum(r.valid for r in mine),
+                "tasks": len(mine),
+                f"mean_{metric}": mean(costs) if costs else None,
+                "mean_ratio_to_best": mean(ratios) if ratios else None,
+                "mean_spread_ms": mean(spreads) if spreads else None,
+                "mean_search_seconds": mean(r.search_seconds for r in mine if r.search_seconds is not None)
+                if any(r.search_seconds is not None for r in mine)
+                else None,
+            }
+        )
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]], metric: str) -> str:
+    """A fixed-width text table of `summarize` rows."""
+    header = ["algorithm", "valid", f"{metric.replace('_ms', '')} (ms)", "± spread", "vs best", "search (s)"]
+    lines = []
+    for r in rows:
+        lines.append(
+            [
+                r["algorithm"],
+                f"{r['valid']}/{r['tasks']}",
+                _fmt(r[f"mean_{metric}"], "{:.3f}"),
+                _fmt(r.get("mean_spread_ms"), "{:.3f}"),
+                _fmt(r["mean_ratio_to_best"], "{:.3f}x"),
+                _fmt(r["mean_search_seconds"], "{:.3f}"),
+            ]
+        )
+    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.ljust(w) for c, w in zip(l, widths)) for l in lines]
+    return "\n".join(out)
+
+
+def _fmt(x: float | None, pattern: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else pattern.format(x)
+
+
+def plot_costs(results: Sequence[Result], path: str | os.PathLike, metric: str = "measured_cost_ms") -> bool:
+    """Bar chart of mean cost per algorithm (error bar: mean spread), per-task costs as dots.
+
+    Returns False (and writes nothing) when no result has the metric.
+    """
+    rows = [r for r in summarize(results, metric) if r[f"mean_{metric}"] is not None]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["algorithm"] for r in rows]
+    means = [r[f"mean_{metric}"] for r in rows]
+    errs = [r.get("mean_spread_ms") or 0.0 for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names)), 4.2))
+    ax.bar(range(len(names)), means, yerr=errs, capsize=4, color="#4C72B0", alpha=0.85, label="mean over tasks")
+    for i, name in enumerate(names):
+        ys = [getattr(r, metric) for r in results if r.algorithm == name and getattr(r, metric) is not None]
+        ax.scatter([i] * len(ys), ys, color="black", s=12, zorder=3, label="one task" if i == 0 else None)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set_ylabel(f"{metric.replace('_ms', '').replace('_', ' ')} (ms, lower is better)")
+    ax.set_title("Plan cost per algorithm: max over devices of compute + all-to-all")
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+    return True

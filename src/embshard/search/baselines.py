@@ -1,0 +1,103 @@
+"""Heuristic baselines from the research code, made memory-safe.
+
+Greedy baselines place tables largest-first (by their cost key) onto the device with the
+smallest running cost that still has room. Unlike the research code, a table that fits
+nowhere raises InfeasibleError naming it and the shortfall, instead of landing silently
+on the last device; `random` respects memory too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from embshard.errors import InputError
+from embshard.plan import MemoryLedger, Plan, Shard
+from embshard.tables import Table
+from embshard.task import Task
+
+#: Per-table cost keys of the greedy baselines (NeuroShard's and DreamShard's heuristics).
+COST_KEYS: dict[str, Callable[[Table], float]] = {
+    "size": lambda t: float(t.size_bytes),
+    "dim": lambda t: float(t.dim),
+    "lookup": lambda t: t.dim * t.pooling_factor,
+    "size_lookup": lambda t: t.dim * t.pooling_factor * math.log10(max(t.rows, 10)),
+}
+
+
+class GreedySharder:
+    """Largest cost first, onto the device with the smallest running cost that has room.
+
+    Args:
+        key: one of COST_KEYS (size, dim, lookup, size_lookup).
+        name: algorithm name written into plans (defaults to `<key>_greedy`).
+    """
+
+    def __init__(self, key: str, name: str | None = None):
+        if key not in COST_KEYS:
+            raise InputError(f"unknown greedy key {key!r}; choose from {sorted(COST_KEYS)}")
+        self.key = key
+        self.name = name or f"{key}_greedy"
+
+    def shard(self, task: Task) -> Plan:
+        cost = COST_KEYS[self.key]
+        ledger = MemoryLedger(task)
+        running = [0.0] * task.num_devices
+        shards = []
+        for table in sorted(task.tables, key=lambda t: (-cost(t), t.name)):
+            need = ledger.need(table)
+            room = ledger.devices_with_room(need)
+            if not room:
+                raise ledger.nowhere(table, need)
+            device = min(room, key=lambda d: (running[d], -ledger.free[d], d))
+            ledger.take(device, need)
+            running[device] += cost(table)
+            shards.append(Shard.whole(table, device))
+        return Plan(task.name, self.name, shards)
+
+
+class RandomSharder:
+    """Each table on a uniformly random device among those with room."""
+
+    def __init__(self, seed: int = 0, name: str = "random"):
+        self.seed = seed
+        self.name = name
+
+    def shard(self, task: Task) -> Plan:
+        rng = np.random.default_rng(self.seed)
+        ledger = MemoryLedger(task)
+        shards = []
+        # Largest first keeps random placement from failing on tasks a greedy can pack.
+        for table in sorted(task.tables, key=lambda t: (-ledger.need(t), t.name)):
+            need = ledger.need(table)
+            room = ledger.devices_with_room(need)
+            if not room:
+                raise ledger.nowhere(table, need)
+            device = int(rng.choice(room))
+            ledger.take(device, need)
+            shards.append(Shard.whole(table, device))
+        return Plan(task.name, self.name, shards)
+
+
+class RoundRobinSharder:
+    """Tables in task order onto devices 0, 1, 2, …, skipping devices without room."""
+
+    def __init__(self, name: str = "round_robin"):
+        self.name = name
+
+    def shard(self, task: Task) -> Plan:
+        ledger = MemoryLedger(task)
+        shards = []
+        next_device = 0
+        for table in task.tables:
+            need = ledger.need(table)
+            order = [(next_device + k) % task.num_devices for k in range(task.num_devices)]
+            device = next((d for d in order if ledger.fits(d, need)), None)
+            if device is None:
+                raise ledger.nowhere(table, need)
+            ledger.take(device, need)
+            shards.append(Shard.whole(table, device))
+            next_device = (device + 1) % task.num_devices
+        return Plan(task.name, self.name, shards)
