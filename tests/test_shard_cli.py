@@ -1,0 +1,115 @@
+"""shard.py end to end: the DESIGN.md contract, bad input, and every config composing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from embshard import Plan, Table, Task, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINES = ["random", "round_robin", "size_greedy", "dim_greedy", "lookup_greedy", "size_lookup_greedy"]
+
+
+def small_task(path: Path, name="small", devices=2, tables=8) -> Task:
+    task = Task(
+        name,
+        devices,
+        64 * 2**20,
+        256,
+        tuple(Table(f"t{i}", 1000 * (i + 1), 4 * (1 + i % 4), 1.0 + 2 * i) for i in range(tables)),
+    )
+    task.save(path)
+    return task
+
+
+def run_shard(*overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
+    return subprocess.run(
+        [sys.executable, str(ROOT / "shard.py"), *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_contract_outputs_with_estimated_costs(tmp_path):
+    task = small_task(tmp_path / "task.json")
+    out = tmp_path / "out"
+    proc = run_shard(f"task_file={tmp_path / 'task.json'}", f"algorithms=[{','.join(BASELINES)}]", "evaluate=estimated", f"out_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert [r["algorithm"] for r in report["results"]] == BASELINES
+    for r in report["results"]:
+        assert r["valid"] and r["error"] is None
+        assert r["estimated_cost_ms"] > 0 and r["measured_cost_ms"] is None
+        assert len(r["memory_bytes"]) == task.num_devices and r["search_seconds"] >= 0
+        plan = Plan.load(out / "plans" / f"{r['algorithm']}.json")
+        validate(task, plan)
+    assert (out / "config.yaml").read_text().count("size_greedy") >= 1
+    assert "size_greedy" in proc.stdout  # the comparison table
+
+
+def test_several_tasks_from_a_folder(tmp_path):
+    small_task(tmp_path / "tasks" / "a.json", name="a")
+    small_task(tmp_path / "tasks" / "b.json", name="b", devices=3)
+    out = tmp_path / "out"
+    proc = run_shard(f"task_file={tmp_path / 'tasks'}", "algorithms=[size_greedy,random]", "evaluate=none", f"out_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "plans" / "a" / "size_greedy.json").is_file() and (out / "plans" / "b" / "random.json").is_file()
+
+
+def test_infeasible_task_is_reported_not_dropped(tmp_path):
+    task = small_task(tmp_path / "task.json")
+    tight = Task(task.name, 2, task.table_memory_bytes(task.tables[-1]) - 10, task.batch_size, task.tables)
+    tight.save(tmp_path / "task.json")
+    out = tmp_path / "out"
+    proc = run_shard(f"task_file={tmp_path / 'task.json'}", "algorithms=[size_greedy]", "evaluate=estimated", f"out_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    (result,) = json.loads((out / "report.json").read_text())["results"]
+    assert not result["valid"] and "'t7'" in result["error"] and "short by" in result["error"]
+    assert not (out / "plans" / "size_greedy.json").exists()
+
+
+@pytest.mark.parametrize(
+    "content, overrides, message",
+    [
+        ('{"name": ', [], "malformed JSON"),
+        (None, [], "no such file"),
+        ('{"name": "x", "num_devices": 0, "device_memory_bytes": 1, "batch_size": 1, "tables": []}', [], "num_devices"),
+        ('{"name": "x", "num_devices": 2, "device_memory_bytes": 9999, "batch_size": 1, "tables": [{"name": "a", "rows": -3, "dim": 4, "pooling_factor": 1}]}', [], "rows"),
+        ('{"name": "x", "num_devices": 2, "device_memory_bytes": 9999, "batch_size": 1, "tables": [{"name": "a", "rows": 3, "dim": 5, "pooling_factor": 1}]}', [], "multiple of 4"),
+        ("VALID", ["algorithms=[size_greedy,nope]"], "unknown algorithm"),
+        ("VALID", ["evaluate=sometimes"], "evaluate must be"),
+    ],
+)
+def test_bad_input_one_line_error_nonzero_exit_nothing_written(tmp_path, content, overrides, message):
+    path = tmp_path / "task.json"
+    if content == "VALID":
+        small_task(path)
+    elif content is not None:
+        path.write_text(content)
+    out = tmp_path / "out"
+    proc = run_shard(f"task_file={path}", "evaluate=none", f"out_dir={out}", *overrides)
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["task.json"] if content is not None else [])
+
+
+def test_every_config_composes_and_instantiates():
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="shard")
+        for name in cfg.searchers:
+            sharder = instantiate(cfg.searchers[name])
+            assert sharder.name == name
+        for hw in ["fbgemm_cpu", "torch_cpu", "fbgemm_cuda", "torch_cuda"]:
+            c = compose(config_name="shard", overrides=[f"hardware={hw}"])
+            assert c.hardware.backend in ("fbgemm", "torch")
+        instantiate(cfg.cost_model)
