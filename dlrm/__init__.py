@@ -1,0 +1,1 @@
+"""End-to-end TorchRec DLRM training under a sharding plan (see the README's roadmap)."""
