@@ -30,12 +30,14 @@ def _task(num_devices: int = 2, memory: int = GiB, batch: int = 64, **kw) -> Tas
         Table("cw", 40, 24, 2.0),
         Table("rw", 33, 16, 1.5),
         Table("fp16", 70, 8, 2.0, bytes_per_element=2),
+        Table("grid", 41, 24, 2.0),
     )
     return Task("bridge", num_devices, memory, batch, tables, **kw)
 
 
 def _mixed_plan(task: Task) -> Plan:
-    """Table-wise, uneven column-wise (on ranks 1 then 0) and TorchRec-layout row-wise."""
+    """Table-wise, uneven column-wise (on ranks 1 then 0), TorchRec-layout row-wise, and a
+    grid (two uneven column slices, each row-split over both ranks)."""
     return Plan(
         task.name,
         "manual",
@@ -47,6 +49,10 @@ def _mixed_plan(task: Task) -> Plan:
             Shard("rw", 0, 0, 16, 0, 17),  # ceil(33 / 2) = 17
             Shard("rw", 1, 0, 16, 17, 16),
             Shard("fp16", 0, 0, 8, 0, 70),
+            Shard("grid", 0, 0, 8, 0, 21),  # ceil(41 / 2) = 21
+            Shard("grid", 1, 0, 8, 21, 20),
+            Shard("grid", 0, 8, 16, 0, 21),
+            Shard("grid", 1, 8, 16, 21, 20),
         ],
     )
 
@@ -89,11 +95,12 @@ def test_round_trip_mixed_plan():
     module_plan = sp.plan[""]
     kinds = {name: ps.sharding_type for name, ps in module_plan.items()}
     assert kinds == {"tw0": "table_wise", "tw1": "table_wise", "cw": "column_wise",
-                     "rw": "row_wise", "fp16": "table_wise"}
+                     "rw": "row_wise", "fp16": "table_wise", "grid": "grid_shard"}
     assert all(ps.compute_kernel == "fused" for ps in module_plan.values())
     assert module_plan["cw"].ranks == [1, 0]
     assert [m.shard_sizes for m in module_plan["cw"].sharding_spec.shards] == [[40, 8], [40, 16]]
     assert str(module_plan["rw"].sharding_spec.shards[1].placement) == "rank:1/cpu"
+    assert module_plan["grid"].ranks == [0, 1, 0, 1]
     back = plan_from_torchrec(task, sp, algorithm="manual")
     assert _key(back) == _key(plan)
     validate(task, back)
@@ -158,7 +165,7 @@ def test_export_rejects_what_torchrec_cannot_train(shards, match):
 def test_export_validates_first():
     task = _task()
     plan = _mixed_plan(task)
-    plan.shards.pop()  # 'fp16' uncovered
+    plan.shards = [s for s in plan.shards if s.table != "fp16"]
     with pytest.raises(PlanError, match="fp16"):
         plan_to_torchrec(task, plan)
 
@@ -267,7 +274,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_exported_plan_runs_under_distributed_model_parallel(tmp_path: Path):
     """THE KEY TEST: 2 gloo processes, fused FBGEMM kernel on CPU, a plan mixing
-    table-wise, uneven column-wise and row-wise shards: the pooled embeddings equal the
+    table-wise, uneven column-wise, row-wise and grid shards and an fp16 table: the pooled embeddings equal the
     unsharded EmbeddingBagCollection's with the same weights."""
     task = _task()
     plan = _mixed_plan(task)

@@ -137,33 +137,33 @@ class TorchRecPlanner:
         from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
         from torchrec.distributed.planner.types import PlannerError
 
-        ebc = task_to_ebc(task, device="meta")
-        opt = _optimizer_class(task.optimizer)
-        for p in ebc.parameters():
-            p._optimizer_classes = [opt]  # what apply_optimizer_in_backward records
-        caps = {"hbm_cap": hbm_cap} if self.compute_device == "cuda" else {"ddr_cap": hbm_cap}
-        topology = Topology(
-            world_size=task.num_devices,
-            compute_device=self.compute_device,
-            local_world_size=task.devices_per_host,
-            **caps,
-        )
-        constraints = {
-            t.name: ParameterConstraints(
-                sharding_types=list(self.sharding_types),
-                compute_kernels=["fused"],
-                pooling_factors=[max(t.pooling_factor, 1e-6)],
-            )
-            for t in task.tables
-        }
-        planner = EmbeddingShardingPlanner(
-            topology=topology,
-            batch_size=math.ceil(task.batch_size / task.num_devices),
-            constraints=constraints,
-            storage_reservation=FixedPercentageStorageReservation(self.storage_reservation_percentage),
-            debug=not self.quiet,
-        )
         with _quiet(self.quiet):
+            ebc = task_to_ebc(task, device="meta")
+            opt = _optimizer_class(task.optimizer)
+            for p in ebc.parameters():
+                p._optimizer_classes = [opt]  # what apply_optimizer_in_backward records
+            caps = {"hbm_cap": hbm_cap} if self.compute_device == "cuda" else {"ddr_cap": hbm_cap}
+            topology = Topology(
+                world_size=task.num_devices,
+                compute_device=self.compute_device,
+                local_world_size=task.devices_per_host,
+                **caps,
+            )
+            constraints = {
+                t.name: ParameterConstraints(
+                    sharding_types=list(self.sharding_types),
+                    compute_kernels=["fused"],
+                    pooling_factors=[max(t.pooling_factor, 1e-6)],
+                )
+                for t in task.tables
+            }
+            planner = EmbeddingShardingPlanner(
+                topology=topology,
+                batch_size=math.ceil(task.batch_size / task.num_devices),
+                constraints=constraints,
+                storage_reservation=FixedPercentageStorageReservation(self.storage_reservation_percentage),
+                debug=not self.quiet,
+            )
             try:
                 return planner.plan(ebc, [EmbeddingBagCollectionSharder()])
             except PlannerError as e:
