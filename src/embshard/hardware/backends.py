@@ -1,0 +1,259 @@
+"""Embedding kernels one device runs in a training step, built from the shards it holds.
+
+Two backends:
+
+* ``fbgemm``: ONE fused FBGEMM table-batched embedding-bag op
+  (``SplitTableBatchedEmbeddingBagsCodegen``) holding all of the device's shards, with the
+  optimizer fused into backward (EXACT_SGD for ``sgd``). CPU build: ``EmbeddingLocation.HOST``
+  / ``ComputeDevice.CPU``; CUDA build: ``DEVICE`` / ``CUDA``. This is what training runs.
+* ``torch``: ``torch.nn.functional.embedding_bag`` (mode sum) over one concatenated weight
+  per distinct shard width (per-shard row offsets added to the indices), then a sparse SGD
+  update. Works on CPU or CUDA wherever torch does; FBGEMM is imported lazily so this
+  backend works without it.
+
+A step is forward + backward (with the update). Its input is a `DeviceBatch`, pre-generated
+before timing so index generation is not timed, and drawn fresh for every repetition:
+for a column shard the table's indices (the shard has its own width); for a row shard the
+table's indices that fall in the shard's row range, shifted to start at 0 (so a row shard
+sees only its share of the lookups, as under row-wise sharding).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from embshard.data.indices import batch_indices
+from embshard.errors import InputError
+from embshard.plan import Shard
+from embshard.tables import Table
+
+BACKENDS = ("fbgemm", "torch")
+
+#: task.optimizer -> FBGEMM fused optimizer name (EmbOptimType member).
+FBGEMM_OPTIMIZERS = {
+    "sgd": "EXACT_SGD",
+    "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
+    "adagrad": "EXACT_ADAGRAD",
+    "adam": "ADAM",
+}
+LEARNING_RATE = 0.01
+
+
+def available_backends() -> list[str]:
+    """Backends that can be imported here: always ``torch``; ``fbgemm`` when fbgemm_gpu loads."""
+    out = []
+    try:
+        import fbgemm_gpu.split_table_batched_embeddings_ops_training  # noqa: F401
+
+        out.append("fbgemm")
+    except Exception:  # ImportError, or an OSError from a mismatched native build
+        pass
+    out.append("torch")
+    return out
+
+
+@dataclass(frozen=True)
+class ShardInput:
+    """A shard together with its table: what a kernel needs to allocate and feed it."""
+
+    table: Table
+    shard: Shard
+
+    @property
+    def rows(self) -> int:
+        return self.shard.rows
+
+    @property
+    def dim(self) -> int:
+        return self.shard.dim
+
+    @property
+    def nbytes(self) -> int:
+        return self.shard.rows * self.shard.dim * self.table.bytes_per_element
+
+
+@dataclass
+class DeviceBatch:
+    """One step's input for one device: per shard (indices into the shard, offsets [B+1])."""
+
+    per_shard: list[tuple[torch.Tensor, torch.Tensor]]
+    batch_size: int
+
+    def to(self, device: str | torch.device) -> "DeviceBatch":
+        return DeviceBatch([(i.to(device), o.to(device)) for i, o in self.per_shard], self.batch_size)
+
+    @property
+    def num_lookups(self) -> int:
+        return sum(int(i.numel()) for i, _ in self.per_shard)
+
+
+def shard_batch(shards: Sequence[ShardInput], batch_size: int, rng: np.random.Generator) -> DeviceBatch:
+    """A fresh batch of bags for every shard of one device.
+
+    Indices are drawn once per table (column shards of the same table on this device see
+    the same lookups); a row shard keeps the lookups in its row range, shifted to 0.
+    """
+    by_table: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    out = []
+    for s in shards:
+        t = s.table
+        if t.name not in by_table:
+            by_table[t.name] = batch_indices(t, batch_size, rng)
+        idx, off = by_table[t.name]
+        lo, n = s.shard.row_offset, s.shard.rows
+        if lo == 0 and n >= t.rows:
+            out.append((idx, off))
+            continue
+        keep = (idx >= lo) & (idx < lo + n)
+        bag = torch.repeat_interleave(torch.arange(batch_size), off[1:] - off[:-1])
+        counts = torch.bincount(bag[keep], minlength=batch_size)
+        new_off = torch.zeros(batch_size + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=new_off[1:])
+        out.append(((idx[keep] - lo).contiguous(), new_off))
+    return DeviceBatch(out, batch_size)
+
+
+class DeviceKernel(ABC):
+    """The embedding work of one device: all its shards, forward + backward + update."""
+
+    def __init__(self, shards: Sequence[ShardInput], batch_size: int, device: str | torch.device):
+        if not shards:
+            raise InputError("a device kernel needs at least one shard")
+        self.shards = list(shards)
+        self.batch_size = int(batch_size)
+        self.device = torch.device(device)
+
+    @property
+    def width(self) -> int:
+        return sum(s.dim for s in self.shards)
+
+    def make_batch(self, rng: np.random.Generator) -> DeviceBatch:
+        """A fresh input, already on the kernel's device (generate these before timing)."""
+        return shard_batch(self.shards, self.batch_size, rng).to(self.device)
+
+    @abstractmethod
+    def step(self, batch: DeviceBatch) -> None:
+        """Forward, backward and the fused optimizer update on one batch."""
+
+
+class FbgemmKernel(DeviceKernel):
+    """One ``SplitTableBatchedEmbeddingBagsCodegen`` op over all the device's shards."""
+
+    def __init__(
+        self,
+        shards: Sequence[ShardInput],
+        batch_size: int,
+        device: str | torch.device = "cpu",
+        optimizer: str = "sgd",
+    ):
+        super().__init__(shards, batch_size, device)
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import ComputeDevice, EmbeddingLocation
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+        if optimizer not in FBGEMM_OPTIMIZERS:
+            raise InputError(f"fbgemm backend: unknown optimizer {optimizer!r}; one of {sorted(FBGEMM_OPTIMIZERS)}")
+        cuda = self.device.type == "cuda"
+        loc = EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST
+        comp = ComputeDevice.CUDA if cuda else ComputeDevice.CPU
+        # One precision per op: fp16 only when every shard is fp16.
+        fp16 = all(s.table.bytes_per_element == 2 for s in self.shards)
+        self.op = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(s.rows, s.dim, loc, comp) for s in self.shards],
+            optimizer=getattr(EmbOptimType, FBGEMM_OPTIMIZERS[optimizer]),
+            learning_rate=LEARNING_RATE,
+            weights_precision=SparseType.FP16 if fp16 else SparseType.FP32,
+            device=self.device,
+        )
+        # FBGEMM allocates weights and state with torch.zeros, whose pages the OS maps lazily:
+        # touch them now, or page faults would be timed in the first steps.
+        with torch.no_grad():
+            for w in self.op.split_embedding_weights():
+                w.fill_(0.01)
+            for buf in self.op.buffers():
+                if buf.is_floating_point() and buf.numel() > 0:
+                    buf.mul_(1)
+        self._grad: torch.Tensor | None = None
+
+    def make_batch(self, rng: np.random.Generator) -> DeviceBatch:
+        b = shard_batch(self.shards, self.batch_size, rng)
+        # FBGEMM's layout: indices concatenated table-major, offsets over T*B bags.
+        indices = torch.cat([i for i, _ in b.per_shard])
+        lengths = torch.cat([o[1:] - o[:-1] for _, o in b.per_shard])
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        return DeviceBatch([(indices.to(self.device), offsets.to(self.device))], b.batch_size)
+
+    def step(self, batch: DeviceBatch) -> None:
+        indices, offsets = batch.per_shard[0]
+        out = self.op(indices, offsets)
+        if self._grad is None or self._grad.shape != out.shape:
+            self._grad = torch.full_like(out, 1e-3)
+        out.backward(self._grad)
+
+
+class TorchKernel(DeviceKernel):
+    """``F.embedding_bag`` (sum) over one concatenated weight per distinct width + sparse SGD."""
+
+    def __init__(
+        self,
+        shards: Sequence[ShardInput],
+        batch_size: int,
+        device: str | torch.device = "cpu",
+        optimizer: str = "sgd",
+    ):
+        super().__init__(shards, batch_size, device)
+        # Only SGD here: the torch backend is the portable fallback, not an optimizer zoo.
+        self.optimizer = optimizer
+        fp16 = self.device.type == "cuda" and all(s.table.bytes_per_element == 2 for s in self.shards)
+        dtype = torch.float16 if fp16 else torch.float32
+        self.groups: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # shard ids, row offsets, weight
+        dims = sorted({s.dim for s in self.shards})
+        for d in dims:
+            ids = [k for k, s in enumerate(self.shards) if s.dim == d]
+            rows = [self.shards[k].rows for k in ids]
+            row_off = torch.tensor([0] + list(np.cumsum(rows)[:-1]), dtype=torch.int64, device=self.device)
+            w = torch.full((int(sum(rows)), d), 0.01, dtype=dtype, device=self.device)
+            self.groups.append((ids, row_off, w.requires_grad_()))
+
+    def make_batch(self, rng: np.random.Generator) -> DeviceBatch:
+        b = shard_batch(self.shards, self.batch_size, rng)
+        per_group = []
+        for ids, row_off, _ in self.groups:
+            idx = torch.cat([b.per_shard[k][0] + int(row_off[j]) for j, k in enumerate(ids)])
+            lengths = torch.cat([b.per_shard[k][1][1:] - b.per_shard[k][1][:-1] for k in ids])
+            off = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+            torch.cumsum(lengths, 0, out=off[1:])
+            per_group.append((idx.to(self.device), off.to(self.device)))
+        return DeviceBatch(per_group, b.batch_size)
+
+    def step(self, batch: DeviceBatch) -> None:
+        for (_, _, w), (idx, off) in zip(self.groups, batch.per_shard):
+            # include_last_offset: offsets has one entry per bag plus the end.
+            out = torch.nn.functional.embedding_bag(idx, w, off, mode="sum", sparse=True, include_last_offset=True)
+            out.backward(torch.full_like(out, 1e-3))
+            with torch.no_grad():
+                w.add_(w.grad, alpha=-LEARNING_RATE)
+            w.grad = None
+
+
+def make_kernel(
+    backend: str,
+    shards: Sequence[ShardInput],
+    batch_size: int,
+    device: str | torch.device = "cpu",
+    optimizer: str = "sgd",
+) -> DeviceKernel:
+    """The kernel `backend` builds for one device's shards."""
+    if backend == "fbgemm":
+        if "fbgemm" not in available_backends():
+            raise InputError("backend 'fbgemm' requested but fbgemm_gpu cannot be imported; use backend='torch'")
+        return FbgemmKernel(shards, batch_size, device, optimizer)
+    if backend == "torch":
+        return TorchKernel(shards, batch_size, device, optimizer)
+    raise InputError(f"unknown hardware backend {backend!r}; one of {list(BACKENDS)}")

@@ -1,0 +1,275 @@
+"""The all-to-all of pooled embeddings, timed between real torch.distributed processes.
+
+The global batch B is split evenly over the D ranks (sample share b_p for rank p). In the
+forward all-to-all rank r sends every peer p the pooled embeddings of its own shards for
+p's samples, b_p × width_r floats, and receives b_r × width_p from each peer; the backward
+is the reverse (each rank gets back the gradient of its own width).
+
+Compute imbalance is part of the measurement: before the forward all-to-all every rank
+waits its own delay (its compute time, less the smallest one), then enters; its forward
+comm time runs from its entry until the all-to-all returns, so a fast rank's time includes
+waiting for the slowest. The backward all-to-all starts from a barrier.
+
+One process group is spawned for a whole batch of configurations; all of them are measured
+inside, interleaved per repetition (A B C A B C ...), so machine drift hits all alike.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from embshard.hardware.timing import Timing
+
+#: Bytes per float sent (pooled embeddings and their gradients are fp32).
+BYTES_PER_FLOAT = 4
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """One all-to-all to time: per-rank embedding widths and per-rank delays before entry."""
+
+    widths: tuple[int, ...]
+    delays_ms: tuple[float, ...]
+
+    @classmethod
+    def make(cls, widths: Sequence[int], delays_ms: Sequence[float] | None = None) -> "CommConfig":
+        widths = tuple(int(w) for w in widths)
+        delays = tuple(float(x) for x in (delays_ms if delays_ms is not None else [0.0] * len(widths)))
+        if len(delays) != len(widths):
+            raise ValueError(f"{len(widths)} widths but {len(delays)} delays")
+        if any(w < 0 for w in widths) or any(not np.isfinite(d) or d < 0 for d in delays):
+            raise ValueError("widths and delays must be non-negative")
+        return cls(widths, delays)
+
+
+@dataclass
+class CommResult:
+    """Per-rank forward/backward comm time (median and spread, ms) of one configuration."""
+
+    forward_ms: list[float]
+    backward_ms: list[float]
+    forward_spread_ms: list[float]
+    backward_spread_ms: list[float]
+    #: raw samples, [rank][repetition]
+    forward_samples_ms: list[list[float]]
+    backward_samples_ms: list[list[float]]
+
+    @classmethod
+    def zero(cls, num_devices: int, repetitions: int = 0) -> "CommResult":
+        z = [0.0] * num_devices
+        s = [[0.0] * repetitions for _ in range(num_devices)]
+        return cls(list(z), list(z), list(z), list(z), s, [list(x) for x in s])
+
+
+def batch_split(batch_size: int, num_ranks: int) -> list[int]:
+    """Samples per rank: the global batch split as evenly as integers allow."""
+    base, extra = divmod(batch_size, num_ranks)
+    return [base + (1 if r < extra else 0) for r in range(num_ranks)]
+
+
+def measure_comm(
+    configs: Sequence[CommConfig | tuple[Sequence[int], Sequence[float]]],
+    batch_size: int,
+    warmups: int = 2,
+    repetitions: int = 10,
+    backend: str = "gloo",
+    timeout_s: float | None = None,
+    progress: bool = False,
+) -> list[CommResult]:
+    """Time the forward and backward all-to-all of every configuration on real processes.
+
+    Args:
+        configs: CommConfig or (per-rank widths, per-rank delays in ms) pairs; all must have
+            the same number of ranks D.
+        batch_size: the global batch B.
+        warmups: untimed rounds over all configs before timing.
+        repetitions: timed rounds; each round measures every config once, in order.
+        backend: "gloo" (CPU tensors) or "nccl" (one CUDA device per rank).
+        timeout_s: give up (kill the processes, raise TimeoutError) after this long;
+            default scales with the work.
+        progress: a tqdm bar over timed rounds (reported by rank 0).
+
+    Returns:
+        One CommResult per config. D = 1 gives zeros without spawning anything.
+    """
+    cfgs = [c if isinstance(c, CommConfig) else CommConfig.make(*c) for c in configs]
+    if not cfgs:
+        return []
+    d = len(cfgs[0].widths)
+    if any(len(c.widths) != d for c in cfgs):
+        raise ValueError("all comm configs must have the same number of ranks")
+    if d == 1:
+        return [CommResult.zero(1, repetitions) for _ in cfgs]
+    if backend == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < d:
+            raise RuntimeError(f"nccl comm on {d} ranks needs {d} GPUs, found {torch.cuda.device_count()}")
+    if timeout_s is None:
+        rounds = warmups + repetitions
+        per_round = sum(max(c.delays_ms) / 1e3 + 0.05 + 2e-9 * batch_size * sum(c.widths) for c in cfgs)
+        timeout_s = 120 + 10 * d + 4 * rounds * per_round * max(1, d / (os.cpu_count() or 1))
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="embshard-comm-")
+    results: queue.Queue = ctx.Queue()
+    procs = []
+    try:
+        payload = [(c.widths, c.delays_ms) for c in cfgs]
+        for rank in range(d):
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, d, os.path.join(tmp, "store"), backend, payload, batch_size, warmups,
+                      repetitions, results, progress, float(timeout_s)),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+        per_rank: dict[int, tuple[list, list]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(per_rank) < d:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"comm measurement on {d} ranks took longer than {timeout_s:.0f} s")
+            try:
+                kind, rank, body = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    # Give a dying rank's error message a moment to arrive before reporting.
+                    try:
+                        kind, rank, body = results.get(timeout=2.0)
+                    except queue.Empty:
+                        raise RuntimeError(
+                            f"comm worker exited with code {dead[0].exitcode} and no message"
+                        ) from None
+                else:
+                    continue
+            if kind == "error":
+                raise RuntimeError(f"comm worker rank {rank} failed:\n{body}")
+            per_rank[rank] = body
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    out = []
+    for k in range(len(cfgs)):
+        fw = [per_rank[r][0][k] for r in range(d)]
+        bw = [per_rank[r][1][k] for r in range(d)]
+        tf = [Timing.of(x) for x in fw]
+        tb = [Timing.of(x) for x in bw]
+        out.append(
+            CommResult(
+                forward_ms=[t.median_ms for t in tf],
+                backward_ms=[t.median_ms for t in tb],
+                forward_spread_ms=[t.spread_ms for t in tf],
+                backward_spread_ms=[t.spread_ms for t in tb],
+                forward_samples_ms=fw,
+                backward_samples_ms=bw,
+            )
+        )
+    return out
+
+
+def _sleep_until(t_end: float) -> None:
+    """Sleep (not spin: ranks may outnumber cores) until perf_counter() reaches t_end."""
+    while True:
+        left = t_end - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(left if left > 2e-3 else left / 2)
+
+
+def _worker(rank, world, store_path, backend, payload, batch_size, warmups, repetitions, results,
+            progress, timeout_s) -> None:
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dev = torch.device("cuda", rank)
+        else:
+            dev = torch.device("cpu")
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+
+        def sync() -> None:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        split = batch_split(batch_size, world)
+        bufs = []
+        for widths, delays in payload:
+            w_me = widths[rank]
+            # forward: send b_p × w_me to each p, receive b_me × w_p from each p
+            f_in = [split[p] * w_me for p in range(world)]
+            f_out = [split[rank] * widths[p] for p in range(world)]
+            send = torch.ones(sum(f_in), device=dev)
+            recv = torch.empty(sum(f_out), device=dev)
+            # backward: the reverse
+            g_send = torch.ones(sum(f_out), device=dev)
+            g_recv = torch.empty(sum(f_in), device=dev)
+            delay = delays[rank] / 1e3
+            bufs.append((send, recv, f_in, f_out, g_send, g_recv, delay))
+
+        fw = [[] for _ in payload]
+        bw = [[] for _ in payload]
+        bar = None
+        if progress and rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=warmups + repetitions, desc=f"all-to-all x{world}", leave=False)
+        for it in range(warmups + repetitions):
+            for k, (send, recv, f_in, f_out, g_send, g_recv, delay) in enumerate(bufs):
+                sync()
+                dist.barrier()
+                t_start = time.perf_counter()
+                _sleep_until(t_start + delay)
+                t0 = time.perf_counter()
+                dist.all_to_all_single(recv, send, output_split_sizes=f_out, input_split_sizes=f_in)
+                sync()
+                t1 = time.perf_counter()
+                dist.barrier()
+                t2 = time.perf_counter()
+                dist.all_to_all_single(g_recv, g_send, output_split_sizes=f_in, input_split_sizes=f_out)
+                sync()
+                t3 = time.perf_counter()
+                if it >= warmups:
+                    fw[k].append((t1 - t0) * 1e3)
+                    bw[k].append((t3 - t2) * 1e3)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put(("ok", rank, (fw, bw)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent, then die
+        results.put(("error", rank, traceback.format_exc()))
+        raise SystemExit(1)

@@ -1,0 +1,178 @@
+"""The measured cost of a plan: real kernels per device, real all-to-all between processes.
+
+`HardwareEvaluator` is a CostModel (`device_costs(task, plan) -> DeviceCosts`) and also
+measures many plans at once (`measure_many`), interleaved so drift of the machine hits all
+alike:
+
+1. compute: every device of every plan runs its fused embedding kernel (forward +
+   backward with the fused update) on fresh index batches, round-robin over plans and
+   devices (A B A B ... per round);
+2. communication: one spawned process group measures the forward and backward all-to-all
+   of every plan, each rank first waiting its own measured compute time (less the
+   smallest), so the forward comm of a fast device includes waiting for the slowest.
+
+Plan cost = max over devices of (compute + forward comm + backward comm).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from embshard.costs.base import DeviceCosts
+from embshard.errors import InputError, PlanError
+from embshard.hardware.backends import BACKENDS, ShardInput
+from embshard.hardware.comm import CommConfig, CommResult, measure_comm
+from embshard.hardware.compute import measure_compute
+from embshard.hardware.timing import Timing
+from embshard.plan import Plan
+from embshard.task import Task
+
+
+class HardwareEvaluator:
+    """Measures plans on this machine's hardware.
+
+    Args:
+        backend: "fbgemm" (fused table-batched op) or "torch" (embedding_bag fallback).
+        device: "cpu" or "cuda" (all logical devices are timed one after another on it).
+        comm_backend: "gloo", "nccl", None (no communication: compute only), or "auto"
+            (gloo on CPU, nccl on CUDA).
+        warmups: untimed steps per visit of a device (and all-to-all rounds).
+        repetitions: timed steps per device (and timed all-to-all rounds).
+        batch_size: override the task's batch size (faster runs); None keeps it.
+        seed: seeds the index draws.
+        progress: tqdm progress bars.
+        rounds: interleaving rounds for compute (default min(repetitions, 5)).
+        num_threads: torch intra-op threads while timing kernels: "auto" = 1 on CPU (a
+            multi-threaded CPU kernel on a shared or oversubscribed machine stalls in
+            OpenMP barriers and times 10-30x slower at random), unchanged on CUDA; None:
+            leave torch's setting alone.
+        comm_timeout_s: kill the comm processes after this long (None: scales with work).
+    """
+
+    def __init__(
+        self,
+        backend: str = "fbgemm",
+        device: str = "cpu",
+        comm_backend: str | None = "auto",
+        warmups: int = 3,
+        repetitions: int = 10,
+        batch_size: int | None = None,
+        seed: int = 0,
+        progress: bool = False,
+        rounds: int | None = None,
+        num_threads: int | str | None = "auto",
+        comm_timeout_s: float | None = None,
+    ):
+        if backend not in BACKENDS:
+            raise InputError(f"unknown hardware backend {backend!r}; one of {list(BACKENDS)}")
+        if comm_backend == "auto":
+            comm_backend = "nccl" if str(device).startswith("cuda") else "gloo"
+        if comm_backend not in ("gloo", "nccl", None):
+            raise InputError(f"comm_backend must be 'gloo', 'nccl', 'auto' or None, got {comm_backend!r}")
+        if warmups < 0 or repetitions < 1:
+            raise InputError("warmups must be >= 0 and repetitions >= 1")
+        if batch_size is not None and batch_size < 1:
+            raise InputError(f"batch_size must be positive, got {batch_size}")
+        self.backend = backend
+        self.device = device
+        self.comm_backend = comm_backend
+        self.warmups = int(warmups)
+        self.repetitions = int(repetitions)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.progress = progress
+        self.rounds = rounds
+        if num_threads == "auto":
+            num_threads = None if str(device).startswith("cuda") else 1
+        self.num_threads = num_threads
+        self.comm_timeout_s = comm_timeout_s
+
+    # ------------------------------------------------------------------ CostModel
+    def device_costs(self, task: Task, plan: Plan) -> DeviceCosts:
+        return self.measure_many(task, [plan])[0]
+
+    # ------------------------------------------------------------------ batches of plans
+    def measure_many(self, task: Task, plans: Sequence[Plan], rounds: int | None = None) -> list[DeviceCosts]:
+        """Measure every plan of `task`, interleaved; one DeviceCosts per plan, in order."""
+        plans = list(plans)
+        if not plans:
+            return []
+        d = task.num_devices
+        batch = self.batch_size or task.batch_size
+        tables = task.table_by_name
+        shard_sets: list[list[ShardInput]] = []
+        for plan in plans:
+            _check_plan(task, plan)
+            for dev in range(d):
+                shard_sets.append([ShardInput(tables[s.table], s) for s in plan.shards_on(dev)])
+
+        compute = measure_compute(
+            shard_sets,
+            batch,
+            backend=self.backend,
+            device=self.device,
+            optimizer=task.optimizer,
+            warmups=self.warmups,
+            repetitions=self.repetitions,
+            rounds=rounds if rounds is not None else self.rounds,
+            seed=self.seed,
+            progress=self.progress,
+            num_threads=self.num_threads,
+        )
+        per_plan: list[list[Timing]] = [compute[i * d : (i + 1) * d] for i in range(len(plans))]
+
+        if self.comm_backend is None or d == 1:
+            comm = [CommResult.zero(d, self.repetitions) for _ in plans]
+        else:
+            configs = []
+            for plan, timings in zip(plans, per_plan):
+                c = [t.median_ms for t in timings]
+                lo = min(c)
+                configs.append(CommConfig.make(plan.device_widths(d), [x - lo for x in c]))
+            comm = measure_comm(
+                configs,
+                batch,
+                warmups=max(1, self.warmups),
+                repetitions=self.repetitions,
+                backend=self.comm_backend,
+                timeout_s=self.comm_timeout_s,
+                progress=self.progress,
+            )
+        return [_costs(t, c) for t, c in zip(per_plan, comm)]
+
+
+def _check_plan(task: Task, plan: Plan) -> None:
+    """What measuring needs: known tables, devices in range, shards inside their tables."""
+    tables = task.table_by_name
+    for s in plan.shards:
+        if s.table not in tables:
+            raise PlanError(f"shard names table {s.table!r}, which task {task.name!r} does not have")
+        if not 0 <= s.device < task.num_devices:
+            raise PlanError(f"table {s.table!r}: device {s.device} out of range 0..{task.num_devices - 1}")
+        t = tables[s.table]
+        if s.rows <= 0 or s.dim <= 0 or s.row_offset < 0 or s.row_offset + s.rows > t.rows or s.col_offset + s.dim > t.dim:
+            raise PlanError(f"table {s.table!r}: shard {s} does not fit the table's {t.rows} × {t.dim}")
+
+
+def _costs(compute: Sequence[Timing], comm: CommResult) -> DeviceCosts:
+    d = len(compute)
+    # Plan cost per repetition: pair the i-th compute sample with the i-th comm samples.
+    n = min([len(t.samples_ms) for t in compute] + [len(x) for x in comm.forward_samples_ms + comm.backward_samples_ms])
+    spread = None
+    if n > 0:
+        per_rep = [
+            max(compute[k].samples_ms[i] + comm.forward_samples_ms[k][i] + comm.backward_samples_ms[k][i] for k in range(d))
+            for i in range(n)
+        ]
+        spread = Timing.of(per_rep).spread_ms
+    return DeviceCosts(
+        compute_ms=[t.median_ms for t in compute],
+        forward_comm_ms=list(comm.forward_ms),
+        backward_comm_ms=list(comm.backward_ms),
+        compute_spread_ms=[t.spread_ms for t in compute],
+        forward_comm_spread_ms=list(comm.forward_spread_ms),
+        backward_comm_spread_ms=list(comm.backward_spread_ms),
+        plan_cost_spread_ms=spread,
+    )

@@ -1,0 +1,285 @@
+"""Ground-truth measurement: backends, timing, all-to-all between processes, evaluator, analytic model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from embshard.costs.analytic import AnalyticCostModel
+from embshard.costs.base import CostModel, DeviceCosts
+from embshard.errors import InputError, PlanError
+from embshard.hardware import compute as compute_mod
+from embshard.hardware.backends import ShardInput, available_backends, make_kernel, shard_batch
+from embshard.hardware.comm import CommConfig, batch_split, measure_comm
+from embshard.hardware.compute import measure_compute, split_repetitions
+from embshard.hardware.evaluator import HardwareEvaluator
+from embshard.hardware.timing import Timing, measure
+from embshard.plan import Plan, Shard
+from embshard.tables import Table
+from embshard.task import Task
+
+BACKENDS = available_backends()
+
+
+def make_task(n_tables=4, devices=2, rows=2000, dim=16, pooling=5.0, batch=256) -> Task:
+    tables = tuple(Table(f"t{i}", rows, dim, pooling) for i in range(n_tables))
+    return Task("hw", devices, 1 << 30, batch, tables)
+
+
+def round_robin(task: Task, name="rr") -> Plan:
+    return Plan(task.name, name, [Shard.whole(t, i % task.num_devices) for i, t in enumerate(task.tables)])
+
+
+def all_on(task: Task, device: int, name="lopsided") -> Plan:
+    """Every table on `device` but the last, which goes to the next device."""
+    n = len(task.tables)
+    return Plan(task.name, name, [
+        Shard.whole(t, device if i < n - 1 else (device + 1) % task.num_devices) for i, t in enumerate(task.tables)
+    ])
+
+
+def finite_positive(xs):
+    return all(math.isfinite(x) and x > 0 for x in xs)
+
+
+# ---------------------------------------------------------------------------- timing
+def test_timing_median_and_iqr():
+    t = Timing.of([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert t.median_ms == 3.0
+    assert t.spread_ms == pytest.approx(2.0)  # q3 4 - q1 2
+    assert Timing.of([]).median_ms == 0.0
+
+
+def test_measure_feeds_fresh_inputs_and_skips_warmups():
+    seen = []
+    t = measure(lambda i: seen.append(i), warmups=2, repetitions=3)
+    assert seen == [-2, -1, 0, 1, 2]
+    assert len(t.samples_ms) == 3
+
+
+def test_split_repetitions():
+    assert split_repetitions(10, 3) == [4, 3, 3]
+    assert split_repetitions(2, 5) == [1, 1]
+    assert batch_split(10, 3) == [4, 3, 3]
+
+
+# ---------------------------------------------------------------------------- backends
+def test_torch_backend_always_available():
+    assert "torch" in BACKENDS
+
+
+def test_row_shards_see_only_their_lookups():
+    t = Table("a", 1000, 8, 6.0)
+    lo = ShardInput(t, Shard("a", 0, 0, 8, 0, 400))
+    hi = ShardInput(t, Shard("a", 0, 0, 8, 400, 600))
+    whole = ShardInput(t, Shard("a", 0, 0, 8, 0, 1000))
+    b = shard_batch([whole, lo, hi], 128, np.random.default_rng(0))
+    (wi, wo), (li, lo_off), (hi_i, hi_off) = b.per_shard
+    assert li.numel() + hi_i.numel() == wi.numel() > 0
+    assert int(li.max()) < 400 and int(hi_i.max()) < 600 and int(li.min()) >= 0 and int(hi_i.min()) >= 0
+    assert lo_off.numel() == hi_off.numel() == 129
+    assert int(lo_off[-1]) == li.numel() and int(hi_off[-1]) == hi_i.numel()
+    # per bag, the two row shards' lookups add up to the table's
+    assert torch.equal((lo_off[1:] - lo_off[:-1]) + (hi_off[1:] - hi_off[:-1]), wo[1:] - wo[:-1])
+    # the high shard's indices are the table's indices in [400, 1000), shifted to 0
+    assert sorted((hi_i + 400).tolist()) == sorted(wi[wi >= 400].tolist())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_step_updates_weights(backend):
+    t = Table("a", 500, 8, 4.0)
+    k = make_kernel(backend, [ShardInput(t, Shard.whole(t, 0))], 32)
+    if backend == "fbgemm":
+        before = k.op.split_embedding_weights()[0].clone()
+        k.step(k.make_batch(np.random.default_rng(0)))
+        after = k.op.split_embedding_weights()[0]
+    else:
+        before = k.groups[0][2].detach().clone()
+        k.step(k.make_batch(np.random.default_rng(0)))
+        after = k.groups[0][2].detach()
+    assert not torch.equal(before, after), "the fused/sparse update did not change the weights"
+
+
+def test_unknown_backend_is_an_input_error():
+    with pytest.raises(InputError):
+        HardwareEvaluator(backend="tpu")
+
+
+# ---------------------------------------------------------------------------- compute via the evaluator
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_two_device_plan_has_positive_finite_costs(backend):
+    task = make_task()
+    # column shards, row shards, and two shards of one table on the same device
+    shards = [
+        Shard("t0", 0, 0, 8, 0, 2000), Shard("t0", 0, 8, 8, 0, 2000),
+        Shard("t1", 0, 0, 16, 0, 500), Shard("t1", 1, 0, 16, 500, 1500),
+        Shard.whole(task.tables[2], 1), Shard.whole(task.tables[3], 1),
+    ]
+    ev = HardwareEvaluator(backend=backend, comm_backend=None, warmups=1, repetitions=3)
+    c = ev.device_costs(task, Plan(task.name, "mixed", shards))
+    assert isinstance(c, DeviceCosts)
+    assert len(c.compute_ms) == 2 and finite_positive(c.compute_ms)
+    assert len(c.compute_spread_ms) == 2 and all(math.isfinite(x) and x >= 0 for x in c.compute_spread_ms)
+    assert c.forward_comm_ms == [0.0, 0.0] and c.backward_comm_ms == [0.0, 0.0]
+    assert math.isfinite(c.plan_cost_ms) and c.plan_cost_ms == max(c.compute_ms)
+    assert c.plan_cost_spread_ms is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_with_twenty_tables_costs_more_than_one_with_one(backend):
+    task = make_task(n_tables=21, rows=20000, dim=32, pooling=20.0, batch=512)
+    ev = HardwareEvaluator(backend=backend, comm_backend=None, warmups=2, repetitions=5)
+    c = ev.device_costs(task, all_on(task, 0))  # 20 tables on device 0, 1 on device 1
+    assert c.compute_ms[0] > 3 * c.compute_ms[1], c.compute_ms
+
+
+def test_empty_device_costs_zero_compute():
+    task = make_task(n_tables=2, devices=3)
+    c = HardwareEvaluator(backend="torch", comm_backend=None, warmups=0, repetitions=2).device_costs(
+        task, round_robin(task))
+    assert c.compute_ms[2] == 0.0 and c.compute_ms[0] > 0
+
+
+def test_measure_many_interleaves_plans(monkeypatch):
+    """Rounds visit A's devices then B's, then A's again: A B A B, not A A B B."""
+    visits = []
+    real = compute_mod.make_kernel
+
+    def spy(backend, shards, *a, **k):
+        visits.append(tuple(sorted(s.table.name for s in shards)))
+        return real(backend, shards, *a, **k)
+
+    monkeypatch.setattr(compute_mod, "make_kernel", spy)
+    task = make_task(n_tables=4)
+    a, b = round_robin(task, "a"), all_on(task, 0, "b")
+    ev = HardwareEvaluator(backend="torch", comm_backend=None, warmups=0, repetitions=4, rounds=2)
+    out = ev.measure_many(task, [a, b])
+    assert len(out) == 2 and all(isinstance(c, DeviceCosts) for c in out)
+    a0, a1, b0, b1 = ("t0", "t2"), ("t1", "t3"), ("t0", "t1", "t2"), ("t3",)
+    # kernels are cached between rounds, so rebuilds show only the first round...
+    assert visits == [a0, a1, b0, b1]
+    visits.clear()
+    monkeypatch.setattr(compute_mod, "split_repetitions", lambda reps, rounds: [1, 1])
+    # ...and with no room to cache, every round rebuilds in A B order
+    sets = [[ShardInput(task.table(n), Shard.whole(task.table(n), 0)) for n in s] for s in (a0, b0)]
+    measure_compute(sets, 64, backend="torch", warmups=0, repetitions=2, rounds=2, max_cached_bytes=0)
+    assert visits == [a0, b0, a0, b0]
+
+
+def test_bad_plan_is_a_plan_error():
+    task = make_task()
+    with pytest.raises(PlanError):
+        HardwareEvaluator(backend="torch", comm_backend=None).device_costs(
+            task, Plan(task.name, "x", [Shard("nope", 0, 0, 16, 0, 10)]))
+
+
+def test_evaluator_and_analytic_are_cost_models():
+    assert isinstance(HardwareEvaluator(backend="torch"), CostModel)
+    assert isinstance(AnalyticCostModel(), CostModel)
+
+
+# ---------------------------------------------------------------------------- communication
+def test_one_rank_has_zero_comm_without_spawning():
+    [r] = measure_comm([([64], [0.0])], batch_size=1024, repetitions=3)
+    assert r.forward_ms == [0.0] and r.backward_ms == [0.0]
+    task = make_task(devices=1)
+    c = HardwareEvaluator(backend="torch", comm_backend="gloo", warmups=0, repetitions=2).device_costs(
+        task, round_robin(task))
+    assert c.forward_comm_ms == [0.0] and c.backward_comm_ms == [0.0] and c.compute_ms[0] > 0
+
+
+def test_comm_config_validates():
+    with pytest.raises(ValueError):
+        CommConfig.make([8, 8], [0.0])
+    with pytest.raises(ValueError):
+        CommConfig.make([8, -1])
+
+
+@pytest.mark.slow
+def test_all_to_all_between_two_processes_includes_waiting_for_the_slow_rank():
+    delayed, plain, wide = measure_comm(
+        [([64, 64], [0.0, 50.0]), ([64, 64], [0.0, 0.0]), ([512, 64], [0.0, 0.0])],
+        batch_size=2048, warmups=1, repetitions=5,
+    )
+    for r in (delayed, plain, wide):
+        assert len(r.forward_ms) == len(r.backward_ms) == 2
+        assert finite_positive(r.forward_ms) and finite_positive(r.backward_ms)
+        assert len(r.forward_spread_ms) == 2 and len(r.forward_samples_ms[0]) == 5
+    # rank 1 waits 50 ms before entering: rank 0, already in the all-to-all, waits for it
+    assert delayed.forward_ms[0] >= 40.0, delayed.forward_ms
+    # the delayed rank itself does not wait, and with no delay nobody waits that long
+    assert delayed.forward_ms[1] < 25.0, delayed.forward_ms
+    assert max(plain.forward_ms) < 25.0, plain.forward_ms
+
+
+@pytest.mark.slow
+def test_comm_worker_errors_propagate_instead_of_hanging():
+    with pytest.raises(RuntimeError, match="rank"):
+        measure_comm([([8, 8], [0.0, 0.0])], batch_size=64, repetitions=1, backend="no-such-backend", timeout_s=60)
+
+
+@pytest.mark.slow
+def test_measure_many_with_comm_includes_compute_imbalance():
+    task = make_task(n_tables=13, rows=20000, dim=32, pooling=20.0, batch=1024)
+    lopsided, balanced = all_on(task, 0, "lopsided"), round_robin(task, "balanced")
+    ev = HardwareEvaluator(backend="torch", comm_backend="gloo", warmups=1, repetitions=4)
+    out = ev.measure_many(task, [lopsided, balanced])
+    assert len(out) == 2
+    for c in out:
+        assert len(c.compute_ms) == len(c.forward_comm_ms) == len(c.backward_comm_ms) == 2
+        assert finite_positive(c.compute_ms + c.forward_comm_ms + c.backward_comm_ms)
+        assert len(c.forward_comm_spread_ms) == len(c.backward_comm_spread_ms) == 2
+        assert c.plan_cost_spread_ms is not None and c.plan_cost_spread_ms >= 0
+    lop = out[0]
+    gap = lop.compute_ms[0] - lop.compute_ms[1]
+    assert gap > 5.0, lop.compute_ms
+    # device 1 finishes its one table early and waits for device 0 in the forward all-to-all
+    assert lop.forward_comm_ms[1] > 0.5 * gap, (lop.compute_ms, lop.forward_comm_ms)
+    assert lop.forward_comm_ms[1] > 2 * lop.forward_comm_ms[0]
+
+
+# ---------------------------------------------------------------------------- analytic model
+def test_analytic_ranks_heavier_device_above_lighter():
+    task = make_task(n_tables=10, rows=100000, dim=64, pooling=15.0, batch=4096)
+    c = AnalyticCostModel().device_costs(task, all_on(task, 0))
+    assert c.compute_ms[0] > 5 * c.compute_ms[1] > 0
+    # the light device waits for the heavy one in the forward all-to-all
+    assert c.forward_comm_ms[1] > c.compute_ms[0] - c.compute_ms[1] > 0
+    assert c.forward_comm_ms[0] == pytest.approx(c.backward_comm_ms[0])
+    assert c.plan_cost_ms == pytest.approx(max(c.total_ms))
+
+
+def test_analytic_single_device_has_zero_comm_and_row_split_halves_work():
+    task = make_task(n_tables=1, devices=1, rows=100000, dim=64, batch=4096)
+    m = AnalyticCostModel(cache_bytes=0)
+    c = m.device_costs(task, round_robin(task))
+    assert c.forward_comm_ms == [0.0] and c.backward_comm_ms == [0.0]
+    t = task.tables[0]
+    whole = m.forward_compute_ms([(t, Shard.whole(t, 0))], 4096)
+    half = m.forward_compute_ms([(t, Shard("t0", 0, 0, 64, 0, 50000))], 4096)
+    assert half < whole
+
+
+def test_analytic_calibrate_recovers_parameters():
+    truth = AnalyticCostModel(launch_ms=0.7, per_shard_ms=0.1, bandwidth_gbps=3.0, miss_ns=5.0,
+                              output_bandwidth_gbps=1.5, net_bandwidth_gbps=1.2, comm_latency_ms=0.4)
+    rng = np.random.default_rng(0)
+    tables = [Table(f"t{i}", int(rng.integers(1000, 10**6)), int(rng.choice([4, 16, 64, 128])),
+                    float(rng.uniform(1, 30))) for i in range(30)]
+    samples = []
+    for _ in range(40):
+        pick = rng.choice(30, size=int(rng.integers(1, 12)), replace=False)
+        ss = [(tables[i], Shard.whole(tables[i], 0)) for i in pick]
+        b = int(rng.choice([512, 2048, 8192]))
+        samples.append((ss, b, truth.compute_ms(ss, b)))
+    comm = []
+    for _ in range(10):
+        w = [int(x) for x in rng.integers(0, 1000, size=4)]
+        comm.append((w, 4096, truth.transfer_ms(w, 4096)))
+    fit = AnalyticCostModel.calibrate(samples, comm)
+    for name in ("launch_ms", "per_shard_ms", "bandwidth_gbps", "miss_ns", "output_bandwidth_gbps",
+                 "net_bandwidth_gbps", "comm_latency_ms"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
