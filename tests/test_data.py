@@ -19,7 +19,6 @@ from embshard.data.dlrm_datasets import (
     open_cached,
     read_table_pool,
     trace_stats,
-    write_table_pool,
 )
 from embshard.data.indices import batch_indices
 from embshard.data.tasks import (
@@ -32,7 +31,7 @@ from embshard.data.tasks import (
 )
 from embshard.errors import InputError
 from embshard.tables import Table, TraceRef
-from embshard.task import Task, load_tasks
+from embshard.task import load_tasks
 
 
 # ----------------------------------------------------------------------------- fixtures

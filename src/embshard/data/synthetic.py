@@ -32,7 +32,7 @@ import gzip
 import math
 import sys
 import zlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -41,7 +41,6 @@ import torch
 
 from embshard.errors import EmbshardError, InputError
 from embshard.io import atomic_path
-from embshard.tables import NUM_REUSE_BINS
 
 #: The published target: fbgemm_t856_bs65536.pt (2021_locality_stats.txt, first block).
 FULL_NUM_TABLES = 856
