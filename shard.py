@@ -19,6 +19,7 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from embshard.errors import EmbshardError, InputError
 
@@ -30,8 +31,8 @@ ROOT = Path(__file__).resolve().parent
 def main(cfg: DictConfig) -> float | None:
     try:
         return run(cfg)
-    except EmbshardError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (EmbshardError, MissingMandatoryValue) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from embshard import Plan, Table, Task, validate
+from embshard import Plan, Table, Task, TraceRef, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = ["random", "round_robin", "size_greedy", "dim_greedy", "lookup_greedy", "size_lookup_greedy"]
@@ -113,3 +113,33 @@ def test_every_config_composes_and_instantiates():
             c = compose(config_name="shard", overrides=[f"hardware={hw}"])
             assert c.hardware.backend in ("fbgemm", "torch")
         instantiate(cfg.cost_model)
+
+
+@pytest.mark.slow
+def test_measured_run_on_real_kernels_with_chart(tmp_path):
+    task = small_task(tmp_path / "task.json", tables=6)
+    out = tmp_path / "out"
+    proc = run_shard(f"task_file={tmp_path / 'task.json'}", "algorithms=[size_greedy,lookup_greedy]", "evaluate=measured",
+                     "rounds=2", "hardware.repetitions=3", "hardware.warmups=1", f"out_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    for r in report["results"]:
+        devices = r["measured_device_costs"]
+        assert r["measured_cost_ms"] > 0 and r["measured_spread_ms"] is not None
+        assert r["measured_cost_ms"] == pytest.approx(max(devices["total_ms"]))
+        assert all(c > 0 for c in devices["compute_ms"]) and all(c > 0 for c in devices["backward_comm_ms"])
+    assert (out / "measured_cost.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_truncated_trace_file_during_measurement_fails_cleanly(tmp_path):
+    trace = tmp_path / "trace.pt"
+    trace.write_bytes(b"PK\x03\x04 truncated")
+    task = Task("tr", 2, 64 * 2**20, 64, (Table("a", 1000, 8, 2.0, trace=TraceRef(str(trace), 0)), Table("b", 500, 4, 1.0)))
+    task.save(tmp_path / "task.json")
+    out = tmp_path / "out"
+    proc = run_shard(f"task_file={tmp_path / 'task.json'}", "algorithms=[size_greedy]", "evaluate=measured", f"out_dir={out}")
+    assert proc.returncode != 0
+    last = [l for l in proc.stderr.splitlines() if l.strip()][-1]
+    assert last.startswith("error: ") and str(trace) in last, proc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".shard-*"))

@@ -1,0 +1,103 @@
+"""Hydra entry for the offline stages: data, tasks (and, as they land, cost-data
+collection, cost-model pre-training and end-to-end DLRM training).
+
+    python train.py stage=synthetic dataset.num_tables=856 dataset.batch_size=65536
+    python train.py stage=pool dataset=dlrm_2021 dataset.path=/data/fbgemm_t856_bs65536.pt.gz
+    python train.py stage=tasks task=dreamshard out_dir=tasks/dreamshard
+
+Every run writes its resolved config (config.yaml) beside its outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from embshard.errors import EmbshardError, InputError
+
+log = logging.getLogger("train")
+ROOT = Path(__file__).resolve().parent
+STAGES = ("synthetic", "pool", "tasks")
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except (EmbshardError, MissingMandatoryValue) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(cfg: DictConfig) -> Path:
+    from embshard.io import write_text_atomic
+
+    if cfg.stage not in STAGES:
+        raise InputError(f"unknown stage {cfg.stage!r}; choose from {', '.join(STAGES)}")
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else ROOT / "outputs" / "train" / cfg.stage / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    dataset = dataset_path(cfg.dataset)
+    if cfg.stage == "synthetic":
+        log.info("synthetic dataset at %s", dataset)
+    elif cfg.stage == "pool":
+        from embshard.data.tasks import table_pool_from_dataset
+
+        pool = table_pool_from_dataset(dataset, out_dir / "table_pool.json", hash_sizes=cfg.dataset.get("hash_sizes"))
+        log.info("%d tables -> %s", len(pool), out_dir / "table_pool.json")
+    else:
+        make_tasks(cfg, dataset, out_dir)
+    write_text_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    print(f"wrote {out_dir}")
+    return out_dir
+
+
+def dataset_path(ds: DictConfig) -> Path:
+    """The dataset file; a synthetic one is generated on first use."""
+    if ds.kind == "synthetic":
+        path = ROOT / ds.path if not Path(ds.path).is_absolute() else Path(ds.path)
+        if not path.is_file():
+            from embshard.data.synthetic import generate_synthetic
+
+            log.info("generating %s", path)
+            generate_synthetic(path, num_tables=ds.num_tables, batch_size=ds.batch_size, seed=ds.seed, scale=ds.scale)
+        return path
+    if ds.path is None or not Path(ds.path).is_file():
+        raise InputError(f"dataset file {ds.path!r} not found (set dataset.path=...)")
+    return Path(ds.path)
+
+
+def make_tasks(cfg: DictConfig, dataset: Path, out_dir: Path) -> None:
+    from embshard.data.tasks import dreamshard_tasks, neuroshard_tasks, table_pool_from_dataset
+
+    t = cfg.task
+    pool = table_pool_from_dataset(dataset, hash_sizes=cfg.dataset.get("hash_sizes"))
+    common = dict(
+        min_tables=t.min_tables,
+        max_tables=t.max_tables,
+        dims=list(t.dims),
+        max_total_bytes=t.max_total_bytes,
+        num_devices=t.num_devices,
+        device_memory_bytes=t.device_memory_bytes,
+        batch_size=t.batch_size,
+        optimizer=t.optimizer,
+    )
+    if t.kind == "neuroshard":
+        tasks = neuroshard_tasks(pool, t.num_tasks, seed=cfg.seed, out_dir=out_dir, **common)
+        log.info("%d NeuroShard-style tasks -> %s", len(tasks), out_dir)
+    elif t.kind == "dreamshard":
+        out = dreamshard_tasks(
+            pool, out_dir, num_train_tasks=t.num_train_tasks, num_test_tasks=t.num_test_tasks,
+            test_fraction=t.test_fraction, seed=cfg.seed, **common,
+        )
+        log.info("%d train / %d test DreamShard-style tasks -> %s", len(out["train"]), len(out["test"]), out_dir)
+    else:
+        raise InputError(f"unknown task kind {t.kind!r}; choose neuroshard or dreamshard")
+
+
+if __name__ == "__main__":
+    main()
