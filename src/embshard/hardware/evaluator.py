@@ -21,12 +21,12 @@ from typing import Sequence
 import numpy as np
 
 from embshard.costs.base import DeviceCosts
-from embshard.errors import InputError, PlanError
+from embshard.errors import InputError
 from embshard.hardware.backends import BACKENDS, ShardInput
 from embshard.hardware.comm import CommConfig, CommResult, measure_comm
 from embshard.hardware.compute import measure_compute
 from embshard.hardware.timing import Timing
-from embshard.plan import Plan
+from embshard.plan import Plan, validate
 from embshard.task import Task
 
 
@@ -104,7 +104,7 @@ class HardwareEvaluator:
         tables = task.table_by_name
         shard_sets: list[list[ShardInput]] = []
         for plan in plans:
-            _check_plan(task, plan)
+            validate(task, plan)  # never measure a plan that breaks a rule
             for dev in range(d):
                 shard_sets.append([ShardInput(tables[s.table], s) for s in plan.shards_on(dev)])
 
@@ -141,19 +141,6 @@ class HardwareEvaluator:
                 progress=self.progress,
             )
         return [_costs(t, c) for t, c in zip(per_plan, comm)]
-
-
-def _check_plan(task: Task, plan: Plan) -> None:
-    """What measuring needs: known tables, devices in range, shards inside their tables."""
-    tables = task.table_by_name
-    for s in plan.shards:
-        if s.table not in tables:
-            raise PlanError(f"shard names table {s.table!r}, which task {task.name!r} does not have")
-        if not 0 <= s.device < task.num_devices:
-            raise PlanError(f"table {s.table!r}: device {s.device} out of range 0..{task.num_devices - 1}")
-        t = tables[s.table]
-        if s.rows <= 0 or s.dim <= 0 or s.row_offset < 0 or s.row_offset + s.rows > t.rows or s.col_offset + s.dim > t.dim:
-            raise PlanError(f"table {s.table!r}: shard {s} does not fit the table's {t.rows} × {t.dim}")
 
 
 def _costs(compute: Sequence[Timing], comm: CommResult) -> DeviceCosts:
