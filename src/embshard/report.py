@@ -86,17 +86,29 @@ def plot_costs(results: Sequence[Result], path: str | os.PathLike, metric: str =
     import matplotlib.pyplot as plt
 
     names = [r["algorithm"] for r in rows]
-    means = [r[f"mean_{metric}"] for r in rows]
-    errs = [r.get("mean_spread_ms") or 0.0 for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names)), 4.2))
-    ax.bar(range(len(names)), means, yerr=errs, capsize=4, color="#4C72B0", alpha=0.85, label="mean over tasks")
+    best: dict[str, float] = {}
+    for r in results:
+        cost = getattr(r, metric)
+        if cost is not None:
+            best[r.task] = min(best.get(r.task, cost), cost)
+    fig, (ax_cost, ax_ratio) = plt.subplots(1, 2, figsize=(max(9.0, 2.0 * len(names)), 4.4))
+    ax_cost.bar(range(len(names)), [r[f"mean_{metric}"] for r in rows], yerr=[r.get("mean_spread_ms") or 0.0 for r in rows],
+                capsize=4, color="#4C72B0", alpha=0.85, label="mean over tasks (± spread)")
+    ax_ratio.bar(range(len(names)), [r["mean_ratio_to_best"] for r in rows], color="#DD8452", alpha=0.85, label="mean")
     for i, name in enumerate(names):
-        ys = [getattr(r, metric) for r in results if r.algorithm == name and getattr(r, metric) is not None]
-        ax.scatter([i] * len(ys), ys, color="black", s=12, zorder=3, label="one task" if i == 0 else None)
-    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
-    ax.set_ylabel(f"{metric.replace('_ms', '').replace('_', ' ')} (ms, lower is better)")
-    ax.set_title("Plan cost per algorithm: max over devices of compute + all-to-all")
-    ax.legend(loc="best", fontsize=8)
+        mine = [r for r in results if r.algorithm == name and getattr(r, metric) is not None]
+        ax_cost.scatter([i] * len(mine), [getattr(r, metric) for r in mine], color="black", s=12, zorder=3,
+                        label="one task" if i == 0 else None)
+        ax_ratio.scatter([i] * len(mine), [getattr(r, metric) / best[r.task] for r in mine], color="black", s=12,
+                         zorder=3, label="one task" if i == 0 else None)
+    for ax in (ax_cost, ax_ratio):
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        ax.legend(loc="best", fontsize=8)
+    ax_cost.set_ylabel(f"{metric.replace('_ms', '').replace('_', ' ')} (ms, lower is better)")
+    ax_cost.set_title("Plan cost: max over devices of compute + all-to-all", fontsize=10)
+    ax_ratio.axhline(1.0, color="gray", lw=0.8)
+    ax_ratio.set_ylabel("cost / best algorithm's cost on the task")
+    ax_ratio.set_title("Relative to the best plan per task", fontsize=10)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
