@@ -3,13 +3,16 @@
 Example:
     .venv/bin/python scripts/bench_planning.py --sizes 10x2,20x4,40x4,80x8 --algorithms size_lookup_greedy,torchrec
 
-Tasks are NeuroShard-style draws from a synthetic table pool (dims {4..128}, batch 65536,
-4 GB devices, 1.5x memory slack); prints seconds per algorithm and task size.
+Tasks are NeuroShard-style draws from a synthetic 856-table pool (dims {4..128}, batch 65536,
+device memory 1.5x an even share of the task, at least 1.05x its largest table); prints
+seconds per algorithm and task size. One untimed warm-up plan per algorithm runs first
+(imports, TorchRec's first-call set-up).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -46,6 +49,9 @@ def main() -> None:
         generate_synthetic(data, num_tables=args.pool_tables, batch_size=512, seed=args.seed)
     pool = table_pool_from_dataset(data)
     names = args.algorithms.split(",")
+    (warm,) = neuroshard_tasks(pool, 1, min_tables=5, max_tables=5, num_devices=2, seed=args.seed, name_prefix="warm")
+    for name in names:
+        sharder(name).shard(warm)
     print(f"{'tables x devices':>16}  " + "  ".join(f"{n:>20}" for n in names))
     for size in args.sizes.split(","):
         tables, devices = (int(x) for x in size.split("x"))
@@ -61,6 +67,7 @@ def main() -> None:
                 cells.append(f"{seconds:19.3f}s")
             except EmbshardError as e:
                 cells.append(f"{'infeasible':>20}")
+                print(f"  {name} on {size}: {e}", file=sys.stderr)
         print(f"{size:>16}  " + "  ".join(cells), flush=True)
 
 

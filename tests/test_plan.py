@@ -149,3 +149,19 @@ def test_malformed_and_missing_task_files(tmp_path):
         Task.load(bad)
     with pytest.raises(InputError, match="no such file"):
         Task.load(tmp_path / "missing.json")
+
+
+def test_greedy_looks_ahead_instead_of_stranding_a_big_cheap_table():
+    # Cost order (lookup = dim x pooling) places the 8 small, hot tables first; spread evenly
+    # they would leave no device room for the big, cold table. A table-wise plan exists.
+    big = Table("big", 9000, 100 * 4, 0.1)
+    small = [Table(f"s{i}", 1000, 4 * 32, 50.0) for i in range(8)]
+    task = make_task([big, *small], num_devices=2, batch_size=1)
+    memory = task.table_memory_bytes(big) + 2 * task.table_memory_bytes(small[0])
+    task = make_task([big, *small], num_devices=2, memory=memory, batch_size=1)
+    for sharder in BASELINES:
+        plan = sharder.shard(task)
+        validate(task, plan)
+    plan = GreedySharder("lookup").shard(task)
+    big_device = next(s.device for s in plan.shards if s.table == "big")
+    assert sum(s.device == big_device for s in plan.shards) == 3  # big + 2 small share a device

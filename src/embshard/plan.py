@@ -6,6 +6,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
+import numpy as np
+
 from embshard.errors import InfeasibleError, InputError, PlanError
 from embshard.io import write_json_atomic
 from embshard.tables import DIM_ALIGNMENT, Table, _is_int
@@ -159,11 +161,20 @@ def _check_exact_cover(table: Table, shards: Sequence[Shard]) -> None:
 
 class MemoryLedger:
     """Free memory per device while a sharder places pieces; the one place placement
-    decides whether something fits and, when it fits nowhere, says by how much."""
+    decides whether something fits and, when it fits nowhere, says by how much.
 
-    def __init__(self, task: Task):
+    Args:
+        task: the task being planned.
+        pending: memory needs of the pieces still to be placed. When given, `place` looks
+            ahead: among the devices a sharder prefers, it takes the first after which the
+            pending pieces still pack (first-fit decreasing), so a greedy order does not
+            strand a big table that a table-wise plan has room for.
+    """
+
+    def __init__(self, task: Task, pending: Iterable[int] = ()):
         self.task = task
         self.free = [task.device_memory_bytes] * task.num_devices
+        self._pending = sorted(pending, reverse=True)
 
     def need(self, table: Table, rows: int | None = None, dim: int | None = None) -> int:
         return self.task.shard_memory_bytes(table, table.rows if rows is None else rows, table.dim if dim is None else dim)
@@ -181,6 +192,49 @@ class MemoryLedger:
 
     def give(self, device: int, nbytes: int) -> None:
         self.free[device] += nbytes
+
+    def place(self, table: Table, nbytes: int, preference: Sequence[int]) -> int:
+        """Put a piece of `nbytes` on the first preferred device with room that keeps the
+        pending pieces packable (any preferred device with room if none does); return it.
+
+        Raises:
+            InfeasibleError: no device has room; names the table and the shortfall.
+        """
+        self._forget_pending(nbytes)
+        room = [d for d in preference if self.free[d] >= nbytes]
+        if not room:
+            raise self.nowhere(table, nbytes)
+        device = next((d for d in room if self._pending_pack_after(d, nbytes)), room[0])
+        self.take(device, nbytes)
+        return device
+
+    def _forget_pending(self, nbytes: int) -> None:
+        # pending is sorted descending; drop one entry equal to nbytes if present
+        lo, hi = 0, len(self._pending)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._pending[mid] > nbytes:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(self._pending) and self._pending[lo] == nbytes:
+            del self._pending[lo]
+
+    def _pending_pack_after(self, device: int, nbytes: int) -> bool:
+        if not self._pending:
+            return True
+        free = np.array(self.free, dtype=np.int64)
+        free[device] -= nbytes
+        # Sufficient condition, O(1): while placing pieces no larger than the largest pending
+        # one, total free memory stays >= devices x largest, so some device always has room.
+        if int(free.sum()) - sum(self._pending) >= len(free) * self._pending[0]:
+            return True
+        for need in self._pending:  # first-fit decreasing
+            fits = np.flatnonzero(free >= need)
+            if fits.size == 0:
+                return False
+            free[fits[0]] -= need
+        return True
 
     def nowhere(self, table: Table, nbytes: int) -> InfeasibleError:
         """The error for a piece of `nbytes` that fits on no device."""

@@ -3,7 +3,9 @@
 Greedy baselines place tables largest-first (by their cost key) onto the device with the
 smallest running cost that still has room. Unlike the research code, a table that fits
 nowhere raises InfeasibleError naming it and the shortfall, instead of landing silently
-on the last device; `random` respects memory too.
+on the last device; `random` respects memory too. Every baseline places through
+`MemoryLedger.place`, which skips a preferred device when taking it would leave the
+remaining tables unpackable, so a valid table-wise plan is not missed for want of look-ahead.
 """
 
 from __future__ import annotations
@@ -43,16 +45,12 @@ class GreedySharder:
 
     def shard(self, task: Task) -> Plan:
         cost = COST_KEYS[self.key]
-        ledger = MemoryLedger(task)
+        ledger = MemoryLedger(task, pending=(task.table_memory_bytes(t) for t in task.tables))
         running = [0.0] * task.num_devices
         shards = []
         for table in sorted(task.tables, key=lambda t: (-cost(t), t.name)):
-            need = ledger.need(table)
-            room = ledger.devices_with_room(need)
-            if not room:
-                raise ledger.nowhere(table, need)
-            device = min(room, key=lambda d: (running[d], -ledger.free[d], d))
-            ledger.take(device, need)
+            preference = sorted(range(task.num_devices), key=lambda d: (running[d], -ledger.free[d], d))
+            device = ledger.place(table, ledger.need(table), preference)
             running[device] += cost(table)
             shards.append(Shard.whole(table, device))
         return Plan(task.name, self.name, shards)
@@ -67,16 +65,10 @@ class RandomSharder:
 
     def shard(self, task: Task) -> Plan:
         rng = np.random.default_rng(self.seed)
-        ledger = MemoryLedger(task)
+        ledger = MemoryLedger(task, pending=(task.table_memory_bytes(t) for t in task.tables))
         shards = []
-        # Largest first keeps random placement from failing on tasks a greedy can pack.
-        for table in sorted(task.tables, key=lambda t: (-ledger.need(t), t.name)):
-            need = ledger.need(table)
-            room = ledger.devices_with_room(need)
-            if not room:
-                raise ledger.nowhere(table, need)
-            device = int(rng.choice(room))
-            ledger.take(device, need)
+        for table in task.tables:
+            device = ledger.place(table, ledger.need(table), [int(d) for d in rng.permutation(task.num_devices)])
             shards.append(Shard.whole(table, device))
         return Plan(task.name, self.name, shards)
 
@@ -88,16 +80,12 @@ class RoundRobinSharder:
         self.name = name
 
     def shard(self, task: Task) -> Plan:
-        ledger = MemoryLedger(task)
+        ledger = MemoryLedger(task, pending=(task.table_memory_bytes(t) for t in task.tables))
         shards = []
         next_device = 0
         for table in task.tables:
-            need = ledger.need(table)
             order = [(next_device + k) % task.num_devices for k in range(task.num_devices)]
-            device = next((d for d in order if ledger.fits(d, need)), None)
-            if device is None:
-                raise ledger.nowhere(table, need)
-            ledger.take(device, need)
+            device = ledger.place(table, ledger.need(table), order)
             shards.append(Shard.whole(table, device))
             next_device = (device + 1) % task.num_devices
         return Plan(task.name, self.name, shards)
