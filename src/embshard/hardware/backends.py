@@ -20,6 +20,7 @@ sees only its share of the lookups, as under row-wise sharding).
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
@@ -209,6 +210,12 @@ class TorchKernel(DeviceKernel):
     ):
         super().__init__(shards, batch_size, device)
         # Only SGD here: the torch backend is the portable fallback, not an optimizer zoo.
+        if optimizer != "sgd":
+            warnings.warn(
+                f"torch backend times an SGD update; the task's {optimizer!r} update is not modelled "
+                "(use backend='fbgemm' for fused optimizers)",
+                stacklevel=2,
+            )
         self.optimizer = optimizer
         fp16 = self.device.type == "cuda" and all(s.table.bytes_per_element == 2 for s in self.shards)
         dtype = torch.float16 if fp16 else torch.float32
