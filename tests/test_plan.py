@@ -165,3 +165,15 @@ def test_greedy_looks_ahead_instead_of_stranding_a_big_cheap_table():
     plan = GreedySharder("lookup").shard(task)
     big_device = next(s.device for s in plan.shards if s.table == "big")
     assert sum(s.device == big_device for s in plan.shards) == 3  # big + 2 small share a device
+
+
+def test_atomic_writes_get_the_usual_file_mode(tmp_path):
+    import os
+
+    from embshard.io import write_text_atomic
+
+    write_text_atomic(tmp_path / "a.txt", "x")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "a.txt").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
