@@ -1,0 +1,535 @@
+"""Pre-train NeuroShard's cost models on collected cost data; held-out metrics; checkpoint.
+
+    pretrain(cfg, data_dir, out_dir) -> objective
+
+reads ``data_dir/compute.jsonl``, ``comm.jsonl`` and ``profile.json``, and writes to ``out_dir``:
+
+* ``cost_models.pt``: the three models, their normalisation, the hardware profile, batch
+  size, metrics and data summary (plain data: ``torch.load(weights_only=True)``);
+* ``metrics.json`` and ``metrics.csv``: RMSE, MAPE, R², Kendall τ per model and split (ms);
+* ``data_card.md``: the numbers for the checkpoint's data card;
+* ``logs/<model>/metrics.csv`` (Lightning's CSVLogger, per epoch) and ``wandb/`` (offline).
+
+Held-out evaluation is by TABLES for the compute model: table names are split (seeded) into
+train/val/test; a sample with any test table is a test sample, else with any val table a
+val sample, else a train sample. Comm samples are split by sample, and every sample with
+``holdout_num_devices`` devices is kept out of training altogether, to show that one model
+serves device counts it never saw.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import time
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from embshard.costs import neural as N
+from embshard.errors import InputError
+from embshard.io import atomic_path, write_json_atomic, write_text_atomic
+
+log = logging.getLogger(__name__)
+
+#: defaults of every field `pretrain` reads (conf/cost_model/neural.yaml mirrors them)
+DEFAULTS: dict[str, Any] = {
+    "seed": 0,
+    "max_epochs": 300,
+    "batch_size": 512,
+    "lr": 1e-3,
+    "weight_decay": 0.0,
+    "patience": 40,
+    "val_fraction": 0.1,
+    "test_fraction": 0.1,
+    "comm_val_fraction": 0.1,
+    "comm_test_fraction": 0.1,
+    "holdout_num_devices": 6,
+    "compute": {"encoder_hidden": 128, "encoder_out": 32, "head_hidden": 64, "reduction": "sum", "target": "ms",
+                "loss": "mse"},
+    "comm": {"hidden": 64, "embed": 32, "target": "ms"},
+    "objective": "compute/val/kendall_tau",
+    "progress": True,
+    "num_threads": 1,
+    "wandb": True,
+    "wandb_project": "embshard",
+    "wandb_offline": True,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------
+def kendall_tau_b(x: np.ndarray, y: np.ndarray, chunk: int = 2048) -> float:
+    """Kendall's τ-b (ties corrected), numpy only, O(n²) in chunks."""
+    x = np.asarray(x, np.float64).ravel()
+    y = np.asarray(y, np.float64).ravel()
+    n = len(x)
+    if n < 2:
+        return float("nan")
+    s = tx = ty = 0.0
+    for i in range(0, n, chunk):
+        dx = np.sign(x[i : i + chunk, None] - x[None, :])
+        dy = np.sign(y[i : i + chunk, None] - y[None, :])
+        s += float((dx * dy).sum())
+        tx += float((dx == 0).sum())
+        ty += float((dy == 0).sum())
+    # over ordered pairs i != j: the diagonal adds n ties to each count
+    n0 = n * (n - 1) / 2
+    n1 = (tx - n) / 2
+    n2 = (ty - n) / 2
+    denom = math.sqrt((n0 - n1) * (n0 - n2))
+    return float(s / 2 / denom) if denom > 0 else float("nan")
+
+
+def regression_metrics(y_true: np.ndarray, y_pred: np.ndarray) -> dict[str, float]:
+    """RMSE (ms), MAPE (%), R², Kendall τ-b and n of predictions against labels (ms)."""
+    t = np.asarray(y_true, np.float64).ravel()
+    p = np.asarray(y_pred, np.float64).ravel()
+    if len(t) == 0:
+        return {"n": 0}
+    err = p - t
+    ss_tot = float(((t - t.mean()) ** 2).sum())
+    return {
+        "n": int(len(t)),
+        "rmse_ms": float(np.sqrt((err**2).mean())),
+        "mape_pct": float(100.0 * np.mean(np.abs(err) / np.maximum(np.abs(t), N.LOG_FLOOR_MS))),
+        "r2": float(1.0 - (err**2).sum() / ss_tot) if ss_tot > 0 else float("nan"),
+        "kendall_tau": kendall_tau_b(t, p),
+        "mean_ms": float(t.mean()),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Splits
+# ---------------------------------------------------------------------------------------
+def split_tables(names: Sequence[str], val_fraction: float, test_fraction: float, seed: int) -> dict[str, list[str]]:
+    """Seeded split of unique table names into train/val/test (each non-empty when possible)."""
+    uniq = sorted(set(names))
+    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise InputError(f"val_fraction {val_fraction} and test_fraction {test_fraction} must be in [0, 1) and sum < 1")
+    perm = np.random.default_rng(seed).permutation(len(uniq))
+    n_test = int(round(test_fraction * len(uniq)))
+    n_val = int(round(val_fraction * len(uniq)))
+    if test_fraction > 0 and len(uniq) >= 3:
+        n_test = max(n_test, 1)
+    if val_fraction > 0 and len(uniq) >= 3:
+        n_val = max(n_val, 1)
+    shuffled = [uniq[i] for i in perm]
+    return {
+        "test": sorted(shuffled[:n_test]),
+        "val": sorted(shuffled[n_test : n_test + n_val]),
+        "train": sorted(shuffled[n_test + n_val :]),
+    }
+
+
+def split_tables_honouring(samples: Sequence[N.ComputeSample], val_fraction: float, test_fraction: float,
+                           seed: int) -> dict[str, list[str]]:
+    """The table split of `pretrain`. When the collector held tables out (samples marked
+    split="test", drawn only from its held-out tables), those tables are the test tables and
+    val tables are drawn from the rest; otherwise a seeded split of all names."""
+    names = [t.name for s in samples for t in s.tables]
+    collector_test = {t.name for s in samples if s.split == "test" for t in s.tables}
+    if not collector_test:
+        return split_tables(names, val_fraction, test_fraction, seed)
+    rest = [n for n in names if n not in collector_test]
+    inner = split_tables(rest, val_fraction, 0.0, seed)
+    return {"test": sorted(collector_test), "val": inner["val"], "train": inner["train"]}
+
+
+def split_compute(samples: Sequence[N.ComputeSample], tables: Mapping[str, Sequence[str]]) -> dict[str, list[int]]:
+    """Sample indices per split: test if any table is a test table, else val if any is val."""
+    test, val = set(tables["test"]), set(tables["val"])
+    out: dict[str, list[int]] = {"train": [], "val": [], "test": []}
+    for i, s in enumerate(samples):
+        names = {t.name for t in s.tables}
+        out["test" if names & test else "val" if names & val else "train"].append(i)
+    return out
+
+
+def split_comm(samples: Sequence[N.CommSample], val_fraction: float, test_fraction: float, seed: int,
+               holdout_num_devices: int | None) -> dict[str, list[int]]:
+    """Sample indices per split; samples with `holdout_num_devices` devices go to 'heldout_devices'."""
+    out: dict[str, list[int]] = {"train": [], "val": [], "test": [], "heldout_devices": []}
+    rest = []
+    for i, s in enumerate(samples):
+        (out["heldout_devices"] if holdout_num_devices is not None and s.num_devices == holdout_num_devices else rest).append(i)
+    perm = np.random.default_rng(seed + 1).permutation(len(rest))
+    n_test = int(round(test_fraction * len(rest)))
+    n_val = int(round(val_fraction * len(rest)))
+    if len(rest) >= 3:
+        n_test, n_val = max(n_test, 1 if test_fraction > 0 else 0), max(n_val, 1)
+    order = [rest[i] for i in perm]
+    out["test"] = sorted(order[:n_test])
+    out["val"] = sorted(order[n_test : n_test + n_val])
+    out["train"] = sorted(order[n_test + n_val :])
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Training one model
+# ---------------------------------------------------------------------------------------
+def _make_keep_best(pl, monitor: str):
+    class KeepBest(pl.Callback):
+        """Keeps a copy of the weights at the best validation loss (no .ckpt files)."""
+
+        def __init__(self):
+            self.best = math.inf
+            self.state: dict[str, torch.Tensor] | None = None
+            self.epoch = -1
+
+        def on_validation_epoch_end(self, trainer, module):
+            if trainer.sanity_checking:
+                return
+            v = trainer.callback_metrics.get(monitor)
+            if v is not None and float(v) < self.best:
+                self.best = float(v)
+                self.state = {k: t.detach().clone() for k, t in module.net.state_dict().items()}
+                self.epoch = trainer.current_epoch
+
+    return KeepBest()
+
+
+def train_model(kind: str, net_hparams: dict[str, Any], train: Sequence[torch.Tensor], val: Sequence[torch.Tensor],
+                cfg: Mapping[str, Any], loggers: list, progress: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Fit one cost network with Lightning; return it at its best validation loss."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import EarlyStopping
+    from torch.utils.data import DataLoader, TensorDataset
+
+    pl.seed_everything(int(cfg["seed"]), workers=True, verbose=False)
+    module = N.make_module(kind, net_hparams, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    bs = int(cfg["batch_size"])
+    gen = torch.Generator().manual_seed(int(cfg["seed"]))
+    train_dl = DataLoader(TensorDataset(*train), batch_size=bs, shuffle=True, generator=gen)
+    val_dl = DataLoader(TensorDataset(*val), batch_size=max(bs, 1024), shuffle=False)
+    monitor = f"{kind}/val_loss"
+    keep = _make_keep_best(pl, monitor)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=int(cfg["max_epochs"]),
+        logger=loggers or False,
+        callbacks=[keep, EarlyStopping(monitor=monitor, patience=int(cfg["patience"]), mode="min")],
+        enable_checkpointing=False,
+        enable_progress_bar=progress,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=max(1, len(train_dl)),
+        deterministic=False,
+    )
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*number of training batches.*")
+        trainer.fit(module, train_dl, val_dl)
+    seconds = time.perf_counter() - t0
+    net = module.net.eval()
+    if keep.state is not None:
+        net.load_state_dict(keep.state)
+    info = {"best_epoch": keep.epoch, "best_val_loss": keep.best, "epochs": trainer.current_epoch,
+            "train_seconds": round(seconds, 2), "train_samples": int(len(train[0]))}
+    log.info("%s: %d epochs in %.1fs, best val loss %.4f at epoch %d", kind, info["epochs"], seconds, keep.best, keep.epoch)
+    return net, info
+
+
+@torch.no_grad()
+def predict_ms(net: torch.nn.Module, tensors: Sequence[torch.Tensor], norm: N.Normalization) -> np.ndarray:
+    x, mask = tensors[0], tensors[1]
+    return norm.to_ms(net(x, mask).numpy())
+
+
+# ---------------------------------------------------------------------------------------
+# The entry point
+# ---------------------------------------------------------------------------------------
+def _merge(defaults: dict[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(defaults)
+    for k, v in cfg.items():
+        if isinstance(v, Mapping) and isinstance(defaults.get(k), dict):
+            out[k] = _merge(defaults[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def resolve_config(cfg: Any) -> dict[str, Any]:
+    """A plain dict of pre-training settings from a Hydra node (the cost_model node or its
+    `pretrain` sub-node) or a dict; unknown keys are rejected."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    cfg = dict(cfg or {})
+    if "pretrain" in cfg:
+        cfg = dict(cfg["pretrain"] or {})
+    unknown = set(cfg) - set(DEFAULTS)
+    if unknown:
+        raise InputError(f"unknown cost-model pretrain setting(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    out = _merge(DEFAULTS, cfg)
+    if out["compute"]["reduction"] not in N.REDUCTIONS:
+        raise InputError(f"compute.reduction must be one of {N.REDUCTIONS}, got {out['compute']['reduction']!r}")
+    for k in ("compute", "comm"):
+        if out[k]["target"] not in N.TARGETS:
+            raise InputError(f"{k}.target must be one of {N.TARGETS}, got {out[k]['target']!r}")
+    if out["compute"]["loss"] not in ("mse", "relative"):
+        raise InputError(f"compute.loss must be 'mse' or 'relative', got {out['compute']['loss']!r}")
+    if int(out["max_epochs"]) < 1 or int(out["batch_size"]) < 1 or float(out["lr"]) <= 0:
+        raise InputError("max_epochs and batch_size must be >= 1 and lr > 0")
+    return out
+
+
+def read_profile(data_dir: Path) -> dict[str, Any]:
+    path = data_dir / "profile.json"
+    if not path.is_file():
+        raise InputError(f"hardware profile {path} not found (the collector writes it beside the data)")
+    try:
+        prof = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(prof, dict):
+        raise InputError(f"{path}: the hardware profile must be a JSON object")
+    return prof
+
+
+def pretrain(cfg: Any, data_dir: str | os.PathLike, out_dir: str | os.PathLike) -> float:
+    """Train the compute and both comm models, evaluate them held out, write the checkpoint.
+
+    Returns the configured objective (default: the compute model's Kendall τ on the
+    validation tables), for a sweeper to maximise.
+    """
+    c = resolve_config(cfg)
+    threads = torch.get_num_threads()
+    if c["num_threads"]:
+        # tiny MLPs: one thread is fastest, and on a shared machine 2+ threads stall in
+        # OpenMP barriers (5-10x slower epochs measured on the 2-core project machine)
+        torch.set_num_threads(int(c["num_threads"]))
+    try:
+        return _pretrain(c, Path(data_dir), Path(out_dir))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _pretrain(c: dict[str, Any], data_dir: Path, out_dir: Path) -> float:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profile = read_profile(data_dir)
+    compute_samples = N.load_compute_samples(data_dir / "compute.jsonl")
+    comm_samples = N.load_comm_samples(data_dir / "comm.jsonl")
+    batch = N.most_common_batch(s.batch_size for s in compute_samples)
+    if any(s.batch_size != batch for s in compute_samples) or any(s.batch_size != batch for s in comm_samples):
+        log.warning("cost data mixes batch sizes; labels are scaled linearly to batch %d", batch)
+    seed = int(c["seed"])
+
+    # ---- splits
+    tables = split_tables_honouring(compute_samples, float(c["val_fraction"]), float(c["test_fraction"]), seed)
+    csplit = split_compute(compute_samples, tables)
+    hold = c["holdout_num_devices"]
+    msplit = split_comm(comm_samples, float(c["comm_val_fraction"]), float(c["comm_test_fraction"]), seed,
+                        int(hold) if hold is not None else None)
+    for what, split in (("compute", csplit), ("comm", msplit)):
+        if not split["train"] or not split["val"]:
+            raise InputError(f"too little {what} data to split: {', '.join(f'{k} {len(v)}' for k, v in split.items())} samples")
+    log.info("compute samples: %s; comm samples: %s", {k: len(v) for k, v in csplit.items()}, {k: len(v) for k, v in msplit.items()})
+
+    loggers_for = _loggers(c, out_dir)
+    try:
+        return _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, batch, tables, csplit, msplit, loggers_for)
+    except BaseException:
+        loggers_for.finish(None)
+        raise
+
+
+def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, batch, tables, csplit, msplit, loggers_for) -> float:
+    hold = c["holdout_num_devices"]
+    metrics: dict[str, Any] = {}
+    bundle: dict[str, Any] = {"format_version": N.FORMAT_VERSION, "normalization": {}}
+    t_all = time.perf_counter()
+
+    # ---- compute model
+    feats, y = N.compute_arrays(compute_samples, batch)
+    train_idx = csplit["train"]
+    norm = N.Normalization.fit(np.concatenate([feats[i] for i in train_idx]), y[train_idx], c["compute"]["target"])
+    tens = {k: N.compute_tensors([feats[i] for i in v], y[v], norm, c["compute"]["loss"]) for k, v in csplit.items() if v}
+    hp = {"in_features": N.NUM_FEATURES, **{k: c["compute"][k] for k in ("encoder_hidden", "encoder_out", "head_hidden", "reduction")}}
+    net, info = train_model("compute", hp, tens["train"], tens["val"], c, loggers_for("compute"), bool(c["progress"]))
+    m = dict(info)
+    for split, t in tens.items():
+        m[split] = regression_metrics(y[csplit[split]], predict_ms(net, t, norm))
+    m["by_num_tables"] = _by_num_tables(compute_samples, csplit.get("test") or csplit["val"], y, net, tens.get("test") or tens["val"], norm)
+    metrics["compute"] = m
+    bundle["compute"] = {"state_dict": _plain_state(net), "hparams": hp}
+    bundle["normalization"]["compute"] = {**norm.to_dict(), "feature_names": list(N.COMPUTE_FEATURE_NAMES)}
+
+    # ---- comm models
+    for kind, direction in (("forward_comm", "forward"), ("backward_comm", "backward")):
+        feats_c, ys = N.comm_arrays(comm_samples, batch, direction)
+        tr = msplit["train"]
+        norm_c = N.Normalization.fit(np.concatenate([feats_c[i] for i in tr]), np.concatenate([ys[i] for i in tr]),
+                                     c["comm"]["target"])
+        tens_c = {k: N.comm_tensors([feats_c[i] for i in v], [ys[i] for i in v], norm_c) for k, v in msplit.items() if v}
+        hp_c = {"in_features": feats_c[0].shape[1], "hidden": c["comm"]["hidden"], "embed": c["comm"]["embed"]}
+        net_c, info_c = train_model(kind, hp_c, tens_c["train"], tens_c["val"], c, loggers_for(kind), bool(c["progress"]))
+        m = dict(info_c)
+        for split, t in tens_c.items():
+            mask = t[1].numpy() > 0
+            pred = predict_ms(net_c, t, norm_c)[mask]
+            true = np.concatenate([ys[i] for i in msplit[split]])
+            m[split] = regression_metrics(true, pred)
+        metrics[kind] = m
+        bundle[kind] = {"state_dict": _plain_state(net_c), "hparams": hp_c}
+        names = N.COMM_FEATURE_NAMES if direction == "forward" else N.BACKWARD_COMM_FEATURES
+        bundle["normalization"][kind] = {**norm_c.to_dict(), "feature_names": list(names)}
+    metrics["train_seconds_total"] = round(time.perf_counter() - t_all, 2)
+
+    data = {
+        "source": str(data_dir),
+        "batch_size": batch,
+        "compute_samples": {k: len(v) for k, v in csplit.items()},
+        "comm_samples": {k: len(v) for k, v in msplit.items()},
+        "comm_num_devices": sorted({s.num_devices for s in comm_samples}),
+        "holdout_num_devices": hold,
+        "tables": tables,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": c,
+        "host": platform.node(),
+    }
+    bundle.update({"profile": profile, "batch_size": batch, "metrics": metrics, "data": data})
+    objective = _objective(metrics, str(c["objective"]))
+    metrics["objective"] = {"name": c["objective"], "value": objective}
+
+    ckpt = out_dir / "cost_models.pt"
+    with atomic_path(ckpt) as tmp:
+        torch.save(bundle, tmp)
+    N.NeuralCostModels.load(ckpt)  # the written file must load (weights_only=True)
+    write_json_atomic(out_dir / "metrics.json", {"metrics": metrics, "data": {k: v for k, v in data.items() if k != "tables"},
+                                                 "heldout_tables": tables["test"], "val_tables": tables["val"]})
+    write_text_atomic(out_dir / "metrics.csv", metrics_csv(metrics))
+    write_text_atomic(out_dir / "data_card.md", data_card(metrics, data, profile))
+    loggers_for.finish(metrics)
+    log.info("wrote %s (objective %s = %.4f)", ckpt, c["objective"], objective)
+    return objective
+
+
+def _by_num_tables(samples, idx, y, net, tens, norm) -> dict[str, dict[str, float]]:
+    """Held-out metrics grouped by shard size (1-3, 4-7, 8-15, 16+ tables)."""
+    pred = predict_ms(net, tens, norm)
+    sizes = np.array([len(samples[i].tables) for i in idx])
+    out = {}
+    for lo, hi in ((1, 3), (4, 7), (8, 15), (16, 10**9)):
+        sel = (sizes >= lo) & (sizes <= hi)
+        if sel.sum() >= 2:
+            out[f"{lo}-{hi}" if hi < 10**9 else f"{lo}+"] = regression_metrics(y[np.array(idx)[sel]], pred[sel])
+    return out
+
+
+def _objective(metrics: dict[str, Any], name: str) -> float:
+    node: Any = metrics
+    for part in name.split("/"):
+        if not isinstance(node, dict) or part not in node:
+            raise InputError(f"objective {name!r} is not a metric (e.g. compute/val/kendall_tau)")
+        node = node[part]
+    return float(node)
+
+
+def _plain_state(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().float().contiguous().clone() for k, v in net.state_dict().items()}
+
+
+class _Loggers:
+    """Per-model CSV loggers and one W&B run (offline by default) shared by the three models."""
+
+    def __init__(self, c: dict[str, Any], out_dir: Path):
+        self.out_dir = out_dir
+        self.wandb = None
+        if c["wandb"]:
+            from pytorch_lightning.loggers import WandbLogger
+
+            if c["wandb_offline"]:
+                os.environ.setdefault("WANDB_MODE", "offline")
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb = WandbLogger(project=c["wandb_project"], save_dir=str(out_dir), offline=bool(c["wandb_offline"]),
+                                     name=f"pretrain-{out_dir.name}", job_type="pretrain", config=c)
+
+    def __call__(self, kind: str) -> list:
+        from pytorch_lightning.loggers import CSVLogger
+
+        out = [CSVLogger(save_dir=str(self.out_dir), name="logs", version=kind)]
+        if self.wandb is not None:
+            out.append(self.wandb)
+        return out
+
+    def finish(self, metrics: dict[str, Any] | None) -> None:
+        """Close the W&B run (with the held-out metrics in its summary unless None)."""
+        if self.wandb is None:
+            return
+        if metrics is None:
+            self.wandb.experiment.finish(exit_code=1)
+            self.wandb = None
+            return
+        flat = {}
+        for model in N.MODEL_KEYS:
+            for split in ("val", "test", "heldout_devices"):
+                for k, v in (metrics.get(model, {}).get(split) or {}).items():
+                    flat[f"{model}/{split}/{k}"] = v
+        flat["objective"] = metrics["objective"]["value"]
+        run = self.wandb.experiment
+        run.summary.update(flat)
+        run.finish()
+        self.wandb = None
+
+
+def _loggers(c: dict[str, Any], out_dir: Path) -> _Loggers:
+    return _Loggers(c, out_dir)
+
+
+def metrics_csv(metrics: dict[str, Any]) -> str:
+    cols = ("n", "rmse_ms", "mape_pct", "r2", "kendall_tau", "mean_ms")
+    lines = ["model,split," + ",".join(cols)]
+    for model in N.MODEL_KEYS:
+        for split in ("train", "val", "test", "heldout_devices"):
+            m = metrics.get(model, {}).get(split)
+            if m and m.get("n"):
+                lines.append(f"{model},{split}," + ",".join(f"{m[k]:.6g}" for k in cols))
+    return "\n".join(lines) + "\n"
+
+
+def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, Any]) -> str:
+    """Markdown numbers for the checkpoint's data card (the command is added by train.py's caller)."""
+    cs, ms = data["compute_samples"], data["comm_samples"]
+    t = data["tables"]
+    rows = []
+    for model, split, label in (
+        ("compute", "test", "compute, held-out tables"),
+        ("forward_comm", "test", "forward comm, held-out samples"),
+        ("backward_comm", "test", "backward comm, held-out samples"),
+        ("forward_comm", "heldout_devices", f"forward comm, unseen D={data['holdout_num_devices']}"),
+        ("backward_comm", "heldout_devices", f"backward comm, unseen D={data['holdout_num_devices']}"),
+    ):
+        m = metrics.get(model, {}).get(split)
+        if m and m.get("n"):
+            rows.append(f"| {label} | {m['n']} | {m['rmse_ms']:.3f} | {m['mape_pct']:.1f} | {m['r2']:.3f} | {m['kendall_tau']:.3f} |")
+    prof = "\n".join(f"- {k}: {v}" for k, v in profile.items() if not isinstance(v, (dict, list)))
+    return (
+        "# Cost models: data card\n\n"
+        f"Created {data['created']} on host `{data['host']}` from `{data['source']}` (batch size {data['batch_size']}).\n\n"
+        "## Hardware profile\n\n" + (prof or "- (empty)") + "\n\n"
+        "## Samples\n\n"
+        f"- compute shards: {cs.get('train', 0)} train / {cs.get('val', 0)} val / {cs.get('test', 0)} test "
+        f"(split by table names: {len(t['train'])} / {len(t['val'])} / {len(t['test'])} tables; a shard with any "
+        "held-out table is held out)\n"
+        f"- comm configurations: {ms.get('train', 0)} train / {ms.get('val', 0)} val / {ms.get('test', 0)} test, "
+        f"plus {ms.get('heldout_devices', 0)} with D={data['holdout_num_devices']} never trained on; "
+        f"device counts in the data: {data['comm_num_devices']}\n\n"
+        "## Held-out accuracy (ms)\n\n"
+        "| model | n | RMSE (ms) | MAPE (%) | R² | Kendall τ |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        f"Training took {metrics.get('train_seconds_total', float('nan')):.0f} s.\n"
+    )
