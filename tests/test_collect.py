@@ -303,3 +303,11 @@ def test_shipped_configs_resolve():
     assert got["cpu"] == col.resolve_config({}), "DEFAULTS and conf/collect/cpu.yaml disagree"
     assert got["gpu"]["comm"]["backend"] == "nccl" and got["gpu"]["batch_size"] == 65536
     assert got["tiny"]["batch_size"] == 256 and got["tiny"]["comm"]["max_devices"] == 3
+
+
+def test_waiting_for_ranks_needs_torchrun_only_with_several_ranks(tmp_path, fake_comm, monkeypatch):
+    got = collect(tiny(compute={"num_samples": 4}), tmp_path, POOL)
+    col.wait_for_ranks(got)  # one rank: returns at once
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(InputError, match="MASTER_ADDR"):
+        col.wait_for_ranks(got._replace(world_size=2))

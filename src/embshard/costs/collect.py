@@ -85,7 +85,7 @@ DEFAULTS: dict[str, Any] = {
         "dims": [4, 8, 16, 32, 64, 128],
         "column_halves": True,
         "pair_prob": 0.1,
-        "max_bytes": 1 << 30,
+        "max_bytes": 512 << 20,
         "warmups": 2,
         "repetitions": 6,
         "rounds": 2,
@@ -786,6 +786,31 @@ def _comm_chunk(c: dict[str, Any], chunk: int) -> list[dict[str, Any]]:
         }
         for i, (cfg, res) in enumerate(zip(configs, results))
     ]
+
+
+def wait_for_ranks(got: Collected, timeout_hours: float = 168.0) -> None:
+    """Block until every rank of a torchrun launch has finished collecting (a no-op for one
+    rank), so that rank 0 can then `merge`. Uses a short-lived gloo group on torchrun's
+    MASTER_ADDR / MASTER_PORT; the comm measurements' own groups use private file stores,
+    so they never clash with it."""
+    if got.world_size <= 1:
+        return
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        return
+    if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
+        raise InputError(f"rank {got.rank} of {got.world_size}: no MASTER_ADDR/MASTER_PORT to wait for the other "
+                         "ranks (launch with torchrun, or run merge yourself when all ranks are done)")
+    dist.init_process_group("gloo", rank=got.rank, world_size=got.world_size,
+                            timeout=datetime.timedelta(hours=timeout_hours))
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- merge
