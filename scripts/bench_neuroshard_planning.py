@@ -1,0 +1,81 @@
+"""Planning time of NeuroShard's search for 856 tables over 128 devices (a benchmark, not a test).
+
+Example:
+    .venv/bin/python scripts/bench_neuroshard_planning.py
+    .venv/bin/python scripts/bench_neuroshard_planning.py --checkpoint checkpoints/cpu_fbgemm/cost_models.pt --torchrec
+
+The task is a NeuroShard-style draw of all 856 tables of a synthetic pool (dims {4..128},
+batch 65536, device memory 1.5x an even share, at least 1.05x the largest table). The pool
+comes from a synthetic dlrm_datasets file cached under data/ (generated on first use at a
+small trace batch: only the table features matter here). Prints the search seconds with the
+analytic cost model behind the predictor interface, with the neural checkpoint when given,
+and with TorchRec's planner when asked; one untimed warm-up plan per planner runs first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from embshard.data.synthetic import generate_synthetic
+from embshard.data.tasks import neuroshard_tasks, table_pool_from_dataset
+from embshard.search.neuroshard import NeuroShardSharder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tables", type=int, default=856)
+    ap.add_argument("--devices", type=int, default=128)
+    ap.add_argument("--checkpoint", default=None, help="neural cost models (cost_models.pt)")
+    ap.add_argument("--torchrec", action="store_true", help="also time TorchRec's planner on the same task")
+    ap.add_argument("--repeats", type=int, default=1, help="timed plans per planner (fresh sharder each)")
+    ap.add_argument("--trace-batch", type=int, default=512, help="batch of the synthetic trace file")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    data = ROOT / "data" / f"synthetic_t{args.tables}_bs{args.trace_batch}_s{args.seed}.pt"
+    if not data.is_file():
+        print(f"generating {data} ...", flush=True)
+        generate_synthetic(data, num_tables=args.tables, batch_size=args.trace_batch, seed=args.seed)
+    pool = table_pool_from_dataset(data)
+    if len(pool) < args.tables:
+        raise SystemExit(f"pool {data} has {len(pool)} tables, need {args.tables}")
+    (task,) = neuroshard_tasks(pool, 1, min_tables=args.tables, max_tables=args.tables,
+                               num_devices=args.devices, batch_size=65536, seed=args.seed,
+                               name_prefix=f"bench{args.tables}x{args.devices}")
+    (warm,) = neuroshard_tasks(pool, 1, min_tables=10, max_tables=10, num_devices=2, seed=args.seed,
+                               name_prefix="warm")
+    print(f"task {task.name}: {len(task.tables)} tables, {task.num_devices} devices, "
+          f"{task.device_memory_bytes / 2**30:.2f} GiB per device")
+
+    planners = {"neuroshard (analytic)": lambda: NeuroShardSharder(checkpoint=None)}
+    if args.checkpoint:
+        planners["neuroshard (neural)"] = lambda: NeuroShardSharder(checkpoint=args.checkpoint, fallback="error")
+    if args.torchrec:
+        from embshard.search.torchrec_planner import TorchRecPlanner
+
+        planners["torchrec"] = TorchRecPlanner
+    for label, make in planners.items():
+        make().shard(warm)
+        times = []
+        for _ in range(args.repeats):
+            s = make()
+            start = time.perf_counter()
+            s.shard(task)
+            times.append(getattr(s, "last_search_seconds", None) or time.perf_counter() - start)
+        extra = ""
+        if hasattr(s, "last_stats"):
+            st = s.last_stats
+            extra = (f"  predicted {s.last_predicted_cost_ms:.1f} ms, best cap {st['cap']}, {st['pieces']} pieces, "
+                     f"beam {'on' if st['beam'] else 'off'}, incremental {st['incremental']}")
+        print(f"{label:>24}: {min(times):8.2f} s" + (f" (best of {len(times)})" if len(times) > 1 else "") + extra,
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

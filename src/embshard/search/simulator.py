@@ -1,0 +1,303 @@
+"""NeuroShard's simulator: the plan cost a shard predictor (neural or analytic) expects,
+with every prediction cached.
+
+A *shard predictor* (`ShardPredictor`) is the one interface the search talks to:
+
+* `compute_ms(shards)`: the fused forward+backward kernel time of each shard, where a
+  shard is a list of `Table`s whose rows/dim are those of the pieces on one device;
+* `comm_ms(widths, delays_ms)`: per-device forward (including the wait for the slowest
+  device) and backward all-to-all time for `[n, D]` embedding widths and compute delays.
+
+The trained neural bundle (`embshard.costs.neural.NeuralCostModels`) implements it;
+`AnalyticPredictor` adapts the closed-form `AnalyticCostModel` to it (a stand-in for tests
+and the fallback when no checkpoint exists).
+
+`Simulator` turns per-device piece lists into `DeviceCosts` the way the hardware evaluator
+defines measured costs (`hardware/evaluator.py`): compute per device (all devices in one
+batched `compute_ms` call), delay = compute − min compute, backward comm from the widths,
+forward comm from (widths, delays); plan cost = max over devices of compute + fw + bw.
+Compute predictions are cached by the shard's multiset of piece identities (a table at a
+given rows × dim; offsets do not matter), comm predictions by (widths, rounded delays).
+`PredictorCostModel` wraps it as a `CostModel` (`device_costs(task, plan)`).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Callable, Hashable, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from embshard.costs.analytic import BYTES_PER_FLOAT, AnalyticCostModel
+from embshard.costs.base import DeviceCosts
+from embshard.plan import Plan, Shard
+from embshard.tables import Table
+from embshard.task import Task
+
+
+@runtime_checkable
+class ShardPredictor(Protocol):
+    """What the NeuroShard search needs from a cost model."""
+
+    #: The batch size the predictions are for (None: not tied to one).
+    batch_size: int | None
+
+    def compute_ms(self, shards: Sequence[Sequence[Table]]) -> np.ndarray:
+        """Predicted fused fw+bw kernel ms of each shard (empty shard -> 0)."""
+        ...
+
+    def comm_ms(self, widths: np.ndarray, delays_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[n, D] widths and compute delays -> ([n, D] forward ms, [n, D] backward ms)."""
+        ...
+
+
+# ----------------------------------------------------------------------------- analytic adapter
+class AnalyticPredictor:
+    """`AnalyticCostModel` behind the `ShardPredictor` interface, vectorised.
+
+    Args:
+        model: the analytic model (default parameters when None).
+        batch_size: batch the predictions are for; None: the model's, else 4096.
+
+    Compute is the model's formula written as a head over a SUM of per-table encodings
+    (1, weight bytes, row bytes read, lookups, width), so it also offers the incremental
+    interface (`table_encodings`, `reduction`, `head_ms`) the search uses to add a piece to
+    a device's running sum without re-predicting the whole shard, like the neural bundle.
+    Communication: backward = the model's transfer time; forward = transfer + wait for the
+    slowest device (max delay − own delay), as measured.
+    """
+
+    reduction = "sum"
+
+    def __init__(self, model: AnalyticCostModel | None = None, batch_size: int | None = None):
+        self.model = model or AnalyticCostModel()
+        self.batch_size = int(batch_size or self.model.batch_size or 4096)
+        self._coef = self.model._coefficients() * (1.0 + self.model.backward_factor)
+        self._enc: dict[int, tuple[Table, tuple[float, ...]]] = {}
+
+    def _encode(self, t: Table) -> tuple[float, ...]:
+        # keyed by identity (hashing a Table hashes its 17-bin histogram); the entry holds
+        # the table so its id is not reused while cached
+        got = self._enc.get(id(t))
+        if got is None or got[0] is not t:
+            n = self.batch_size * t.pooling_factor
+            got = (t, (1.0, float(t.rows * t.dim * t.bytes_per_element), n * t.dim * t.bytes_per_element, n, float(t.dim)))
+            self._enc[id(t)] = got
+        return got[1]
+
+    def table_encodings(self, tables: Sequence[Table]) -> np.ndarray:
+        """[N, 5] per-table terms: 1, weight bytes, row bytes read, lookups, width."""
+        if not tables:
+            return np.zeros((0, 5))
+        return np.array([self._encode(t) for t in tables], dtype=np.float64)
+
+    def head_ms(self, pooled: np.ndarray) -> np.ndarray:
+        """[n] fw+bw ms of shards from their summed encodings."""
+        pooled = np.asarray(pooled, dtype=np.float64)
+        size = pooled[:, 1]
+        miss = np.maximum(0.0, 1.0 - self.model.cache_bytes / np.where(size > 0, size, np.inf))
+        feats = np.stack([
+            (pooled[:, 0] > 0).astype(np.float64), pooled[:, 0], pooled[:, 2], pooled[:, 3] * miss,
+            self.batch_size * pooled[:, 4] * BYTES_PER_FLOAT,
+        ], axis=1)
+        return feats @ self._coef
+
+    def compute_ms(self, shards: Sequence[Sequence[Table]]) -> np.ndarray:
+        out = np.zeros(len(shards))
+        sizes = np.array([len(s) for s in shards], dtype=np.int64)
+        nonempty = np.flatnonzero(sizes)
+        if nonempty.size == 0:
+            return out
+        enc = self.table_encodings([t for s in shards for t in s])
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))[nonempty]
+        out[nonempty] = self.head_ms(np.add.reduceat(enc, starts, axis=0))
+        return out
+
+    def comm_ms(self, widths: np.ndarray, delays_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        w = np.asarray(widths, dtype=np.float64)
+        delays = np.asarray(delays_ms, dtype=np.float64)
+        n, d = w.shape
+        if d <= 1:
+            return np.zeros_like(w), np.zeros_like(w)
+        base, extra = divmod(self.batch_size, d)
+        b = base + (np.arange(d) < extra)
+        total = w.sum(axis=1, keepdims=True)
+        nbytes = BYTES_PER_FLOAT * ((self.batch_size - b) * w + b * (total - w))
+        bw = self.model.comm_latency_ms + nbytes * 1e-6 / self.model.net_bandwidth_gbps
+        fw = bw + (delays.max(axis=1, keepdims=True) - delays)
+        return fw, bw
+
+
+# ----------------------------------------------------------------------------- simulator
+@dataclass
+class SimulatorStats:
+    compute_calls: int = 0       # compute_ms calls made to the predictor
+    shards_predicted: int = 0    # shards sent to the predictor
+    shard_hits: int = 0          # shard costs served from the cache
+    comm_calls: int = 0
+    comm_predicted: int = 0
+    comm_hits: int = 0
+    head_calls: int = 0          # incremental-mode head_ms calls (search only)
+    head_rows: int = 0
+
+
+class Simulator:
+    """Cached plan-cost simulation against one `ShardPredictor`.
+
+    Args:
+        predictor: the cost predictor.
+        delay_round_ms: delays are rounded to this before keying the comm cache (and
+            before prediction, so a cached and a fresh answer are the same).
+        max_cache_entries: the compute cache is cleared when it grows past this.
+    """
+
+    def __init__(self, predictor: ShardPredictor, delay_round_ms: float = 0.01, max_cache_entries: int = 2_000_000):
+        self.predictor = predictor
+        self.delay_round_ms = float(delay_round_ms)
+        self.max_cache_entries = int(max_cache_entries)
+        self.stats = SimulatorStats()
+        self._ids: dict[Table, int] = {}
+        self._compute: dict[tuple[int, ...], float] = {}
+        self._comm: dict[Hashable, tuple[np.ndarray, np.ndarray]] = {}
+
+    # ------------------------------------------------------------------ keys
+    def piece_id(self, table: Table) -> int:
+        """Interned id of a piece (a Table at the piece's rows × dim)."""
+        pid = self._ids.get(table)
+        if pid is None:
+            pid = self._ids[table] = len(self._ids)
+        return pid
+
+    @staticmethod
+    def key_with(key: tuple[int, ...], pid: int) -> tuple[int, ...]:
+        """The sorted multiset `key` with one more `pid`."""
+        i = bisect_left(key, pid)
+        return key[:i] + (pid,) + key[i:]
+
+    def key_of(self, tables: Sequence[Table]) -> tuple[int, ...]:
+        return tuple(sorted(self.piece_id(t) for t in tables))
+
+    # ------------------------------------------------------------------ compute
+    def shard_costs(self, keys: Sequence[tuple[int, ...]], tables_of: Callable[[int], Sequence[Table]]) -> np.ndarray:
+        """Predicted compute ms for each shard key; `tables_of(i)` builds the tables of
+        `keys[i]`, only called for keys not cached. One predictor call for all misses."""
+        out = np.empty(len(keys))
+        cache = self._compute
+        missing: dict[tuple[int, ...], list[int]] = {}
+        for i, k in enumerate(keys):
+            v = cache.get(k)
+            if v is not None:
+                out[i] = v
+            elif not k:
+                out[i] = 0.0
+            else:
+                missing.setdefault(k, []).append(i)
+        self.stats.shard_hits += len(keys) - sum(len(v) for v in missing.values())
+        if missing:
+            if len(cache) + len(missing) > self.max_cache_entries:
+                cache.clear()
+            order = list(missing)
+            pred = np.asarray(self.predictor.compute_ms([list(tables_of(missing[k][0])) for k in order]), dtype=np.float64)
+            if pred.shape != (len(order),):
+                raise ValueError(f"predictor.compute_ms returned shape {pred.shape} for {len(order)} shards")
+            self.stats.compute_calls += 1
+            self.stats.shards_predicted += len(order)
+            for k, v in zip(order, pred.tolist()):
+                cache[k] = v
+                for i in missing[k]:
+                    out[i] = v
+        return out
+
+    def compute_of(self, shards: Sequence[Sequence[Table]]) -> np.ndarray:
+        """Predicted compute ms of each shard (lists of piece Tables), cached."""
+        keys = [self.key_of(s) for s in shards]
+        return self.shard_costs(keys, lambda i: shards[i])
+
+    # ------------------------------------------------------------------ comm
+    def comm(self, widths: np.ndarray, compute_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[n, D] widths and compute ms -> ([n, D] forward, [n, D] backward) comm ms.
+        Delays are compute − min compute per row, rounded; one predictor call for all misses."""
+        widths = np.asarray(widths, dtype=np.int64)
+        compute = np.asarray(compute_ms, dtype=np.float64)
+        n, d = widths.shape
+        fw = np.zeros((n, d))
+        bw = np.zeros((n, d))
+        if n == 0 or d <= 1:
+            return fw, bw
+        delays = compute - compute.min(axis=1, keepdims=True)
+        if self.delay_round_ms > 0:
+            delays = np.round(delays / self.delay_round_ms) * self.delay_round_ms
+        keys = [(widths[i].tobytes(), delays[i].tobytes()) for i in range(n)]
+        missing: dict[Hashable, list[int]] = {}
+        for i, k in enumerate(keys):
+            got = self._comm.get(k)
+            if got is not None:
+                fw[i], bw[i] = got
+            else:
+                missing.setdefault(k, []).append(i)
+        self.stats.comm_hits += n - sum(len(v) for v in missing.values())
+        if missing:
+            if len(self._comm) + len(missing) > self.max_cache_entries:
+                self._comm.clear()
+            rows = [v[0] for v in missing.values()]
+            f, b = self.predictor.comm_ms(widths[rows].astype(np.float64), delays[rows])
+            f = np.asarray(f, dtype=np.float64).reshape(len(rows), d)
+            b = np.asarray(b, dtype=np.float64).reshape(len(rows), d)
+            self.stats.comm_calls += 1
+            self.stats.comm_predicted += len(rows)
+            for j, (k, idx) in enumerate(missing.items()):
+                self._comm[k] = (f[j].copy(), b[j].copy())
+                fw[idx] = f[j]
+                bw[idx] = b[j]
+        return fw, bw
+
+    # ------------------------------------------------------------------ plans
+    def device_costs(self, per_device: Sequence[Sequence[Table]]) -> DeviceCosts:
+        """DeviceCosts of one plan given each device's piece Tables."""
+        compute = self.compute_of(per_device)
+        widths = np.array([[sum(t.dim for t in s) for s in per_device]], dtype=np.int64)
+        fw, bw = self.comm(widths, compute[None, :])
+        return DeviceCosts(compute_ms=compute.tolist(), forward_comm_ms=fw[0].tolist(), backward_comm_ms=bw[0].tolist())
+
+
+def shard_table(table: Table, shard: Shard) -> Table:
+    """The Table a predictor sees for one shard: the piece's rows × dim; a row slice also
+    gets the matching share of the pooling factor (it serves that share of the lookups)."""
+    if shard.rows == table.rows and shard.dim == table.dim:
+        return table
+    if shard.rows == table.rows:
+        return table.with_dim(shard.dim)
+    return Table(
+        name=table.name,
+        rows=shard.rows,
+        dim=shard.dim,
+        pooling_factor=table.pooling_factor * shard.rows / table.rows,
+        reuse_histogram=table.reuse_histogram,
+        bytes_per_element=table.bytes_per_element,
+        trace=table.trace,
+    )
+
+
+def plan_pieces(task: Task, plan: Plan) -> list[list[Table]]:
+    """Each device's piece Tables under `plan`."""
+    tables = task.table_by_name
+    per_device: list[list[Table]] = [[] for _ in range(task.num_devices)]
+    for s in plan.shards:
+        per_device[s.device].append(shard_table(tables[s.table], s))
+    return per_device
+
+
+class PredictorCostModel:
+    """A CostModel (`device_costs(task, plan)`) that costs plans with a ShardPredictor
+    through the cached `Simulator`."""
+
+    def __init__(self, predictor: ShardPredictor, delay_round_ms: float = 0.01):
+        self.simulator = predictor if isinstance(predictor, Simulator) else Simulator(predictor, delay_round_ms)
+
+    @property
+    def predictor(self) -> ShardPredictor:
+        return self.simulator.predictor
+
+    def device_costs(self, task: Task, plan: Plan) -> DeviceCosts:
+        return self.simulator.device_costs(plan_pieces(task, plan))

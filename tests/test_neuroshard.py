@@ -1,0 +1,373 @@
+"""NeuroShard's search: simulator, caching, greedy grid, column beam, checkpoint handling.
+
+Every search here runs against the analytic cost model behind the ShardPredictor interface
+(`AnalyticPredictor`), or against small fake predictors, so no trained model is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embshard import InfeasibleError, InputError, Table, Task, validate
+from embshard.costs.analytic import AnalyticCostModel
+from embshard.plan import Shard
+from embshard.search.neuroshard import (
+    ROOT,
+    NeuroShardSearch,
+    NeuroShardSharder,
+    halve,
+    supports_incremental,
+)
+from embshard.search.simulator import AnalyticPredictor, PredictorCostModel, ShardPredictor, Simulator
+
+BATCH = 4096
+
+
+def make_task(tables, num_devices=2, memory=None, slack=1.5, batch_size=BATCH, name="t") -> Task:
+    probe = Task(name, num_devices, 1, batch_size, tuple(tables))
+    if memory is None:
+        need = [probe.table_memory_bytes(t) for t in tables]
+        memory = int(max(slack * sum(need) / num_devices, 1.05 * max(need)))
+    return Task(name, num_devices, memory, batch_size, tuple(tables))
+
+
+def sharder(**kw) -> NeuroShardSharder:
+    kw.setdefault("checkpoint", None)
+    return NeuroShardSharder(**kw)
+
+
+def simulated(task, plan) -> float:
+    return PredictorCostModel(AnalyticPredictor(batch_size=task.batch_size)).device_costs(task, plan).plan_cost_ms
+
+
+class Counting:
+    """Wraps a predictor and counts what reaches it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.batch_size = inner.batch_size
+        self.compute_calls = 0
+        self.shards = 0
+        self.comm_calls = 0
+
+    def compute_ms(self, shards):
+        self.compute_calls += 1
+        self.shards += len(shards)
+        return self.inner.compute_ms(shards)
+
+    def comm_ms(self, widths, delays_ms):
+        self.comm_calls += 1
+        return self.inner.comm_ms(widths, delays_ms)
+
+
+@st.composite
+def task_st(draw):
+    n = draw(st.integers(1, 12))
+    tables = [
+        Table(
+            f"t{i}",
+            rows=draw(st.integers(100, 300_000)),
+            dim=4 * draw(st.integers(1, 32)),
+            pooling_factor=draw(st.floats(0.0, 60.0)),
+        )
+        for i in range(n)
+    ]
+    return make_task(tables, draw(st.integers(1, 4)), slack=draw(st.floats(1.2, 3.0)))
+
+
+# ----------------------------------------------------------------------------- predictor + simulator
+def test_analytic_predictor_matches_the_analytic_model():
+    model = AnalyticCostModel()
+    pred = AnalyticPredictor(model, batch_size=BATCH)
+    assert isinstance(pred, ShardPredictor)
+    ts = [Table(f"t{i}", 1000 * (i + 1) ** 3, 4 * (i + 1), 1.5 * i + 0.5) for i in range(6)]
+    shards = [ts[:2], [], ts[1:], ts[3:4]]
+    want = [model.compute_ms([(t, Shard.whole(t, 0)) for t in s], BATCH) for s in shards]
+    np.testing.assert_allclose(pred.compute_ms(shards), want, rtol=1e-9)
+    fw, bw = pred.comm_ms(np.array([[8, 16, 4, 0]]), np.array([[0.0, 2.0, 5.0, 1.0]]))
+    np.testing.assert_allclose(bw[0], model.transfer_ms([8, 16, 4, 0], BATCH), rtol=1e-9)
+    np.testing.assert_allclose(fw[0] - bw[0], [5.0, 3.0, 0.0, 4.0])
+
+
+class Fixed:
+    """compute = sum of dims; comm records what it was asked."""
+
+    batch_size = None
+
+    def __init__(self):
+        self.seen = []
+
+    def compute_ms(self, shards):
+        return np.array([float(sum(t.dim for t in s)) for s in shards])
+
+    def comm_ms(self, widths, delays_ms):
+        self.seen.append((widths.copy(), delays_ms.copy()))
+        return widths * 0.0 + 1.0 + delays_ms, widths * 0.0 + 2.0
+
+
+def test_simulator_costs_like_the_hardware_evaluator():
+    pred = Fixed()
+    sim = Simulator(pred)
+    a, b, c = Table("a", 10, 8, 1.0), Table("b", 10, 4, 1.0), Table("c", 10, 16, 1.0)
+    costs = sim.device_costs([[a, b], [c], []])
+    assert costs.compute_ms == [12.0, 16.0, 0.0]
+    widths, delays = pred.seen[0]
+    assert widths.tolist() == [[12, 16, 0]]
+    assert delays.tolist() == [[12.0, 16.0, 0.0]]  # delay = compute - min compute
+    assert costs.backward_comm_ms == [2.0, 2.0, 2.0]
+    assert costs.plan_cost_ms == pytest.approx(16.0 + 17.0 + 2.0)
+
+
+def test_prediction_cache_keys_on_the_piece_multiset():
+    pred = Counting(AnalyticPredictor(batch_size=BATCH))
+    sim = Simulator(pred)
+    a, b = Table("a", 1000, 8, 2.0), Table("b", 5000, 16, 3.0)
+    first = sim.compute_of([[a, b], [b]])
+    assert pred.compute_calls == 1 and pred.shards == 2
+    again = sim.compute_of([[b, a], [b], [a.with_dim(8), b]])  # order and object identity do not matter
+    assert pred.compute_calls == 1
+    assert again.tolist() == [first[0], first[1], first[0]]
+    sim.compute_of([[a, a.with_dim(4)]])  # a different piece of the same table is a different key
+    assert pred.compute_calls == 2
+    widths, compute = np.array([[8, 16]]), np.array([[3.0, 5.0]])
+    sim.comm(widths, compute)
+    sim.comm(widths, compute + 7.0)  # same delays after subtracting the minimum
+    assert pred.comm_calls == 1
+    assert sim.stats.shard_hits == 3 and sim.stats.comm_hits == 1
+
+
+# ----------------------------------------------------------------------------- search
+@settings(max_examples=12, deadline=None)
+@given(task_st())
+def test_plans_are_valid_and_costed_by_the_simulator(task):
+    s = sharder(beam_steps=2)
+    plan = s.shard(task)
+    validate(task, plan)
+    assert plan.algorithm == "neuroshard" and plan.task == task.name
+    assert s.last_predicted_cost_ms == pytest.approx(simulated(task, plan), rel=1e-6)
+    assert s.last_search_seconds is not None and s.last_search_seconds >= 0
+
+
+@settings(max_examples=8, deadline=None)
+@given(task_st())
+def test_beam_is_never_worse_than_the_table_wise_greedy(task):
+    table_wise = sharder(column_wise=False).shard(task)
+    beam = sharder(beam_steps=3)
+    plan = beam.shard(task)
+    assert beam.last_predicted_cost_ms <= simulated(task, table_wise) + 1e-9
+
+
+def test_greedy_picks_the_cheapest_device_for_the_whole_shard():
+    # Two identical devices; four equal tables: a balanced plan puts two on each.
+    # A loose width cap leaves the choice to the predicted costs alone.
+    tables = [Table(f"t{i}", 1000, 16, 10.0) for i in range(4)]
+    task = make_task(tables, 2, slack=3.0)
+    for caps in ([10.0], [1.0, 1.5]):
+        plan = sharder(column_wise=False, caps=caps).shard(task)
+        assert sorted(len(plan.shards_on(d)) for d in range(2)) == [2, 2]
+
+
+def test_width_cap_balances_widths():
+    # A perverse fake predictor: the more tables a shard has, the cheaper. Only the cap
+    # keeps the greedy from piling everything onto one device.
+    class Flat(Fixed):
+        def compute_ms(self, shards):
+            return np.array([10.0 - len(s) if s else 0.0 for s in shards])
+
+    tables = [Table(f"t{i}", 1000, 16, 1.0) for i in range(6)]
+    task = make_task(tables, 3, slack=3.0)
+    plan = sharder(predictor=Flat(), column_wise=False, caps=[1.0]).shard(task)
+    assert plan.device_widths(3) == [32, 32, 32]
+
+
+def _column_cover_ok(task, plan):
+    by_table = defaultdict(list)
+    for sh in plan.shards:
+        by_table[sh.table].append(sh)
+    for t in task.tables:
+        pieces = sorted(by_table[t.name], key=lambda x: x.col_offset)
+        assert pieces, t.name
+        off = 0
+        for p in pieces:
+            assert p.col_offset == off and p.col_offset % 4 == 0 and p.dim % 4 == 0
+            assert p.row_offset == 0 and p.rows == t.rows
+            off += p.dim
+        assert off == t.dim
+
+
+def test_column_splits_cover_every_table_exactly_once():
+    # One table dominates the cost: halving it spreads it over the devices.
+    hot = Table("hot", 2000, 128, 80.0)
+    cold = [Table(f"c{i}", 2000, 8, 1.0) for i in range(3)]
+    task = make_task([hot, *cold], 4, slack=4.0)
+    s = sharder()
+    plan = s.shard(task)
+    validate(task, plan)
+    _column_cover_ok(task, plan)
+    hot_pieces = [p for p in plan.shards if p.table == "hot"]
+    assert len(hot_pieces) >= 2, "the beam should split the dominant table"
+    assert len({p.device for p in hot_pieces}) >= 2
+    assert s.last_predicted_cost_ms < simulated(task, sharder(column_wise=False).shard(task))
+
+
+def test_halving_keeps_offsets_aligned():
+    state = (("a", 0, 64), ("b", 0, 8))
+    s1 = halve(state, ("a", 0, 64))
+    assert s1 == (("a", 0, 32), ("a", 32, 32), ("b", 0, 8))
+    assert halve(s1, ("a", 32, 32)) == (("a", 0, 32), ("a", 32, 16), ("a", 48, 16), ("b", 0, 8))
+
+
+def test_table_bigger_than_one_device_is_split_to_fit():
+    big = Table("big", 200_000, 64, 5.0)  # 51.2 MB of weights
+    small = [Table(f"s{i}", 1000, 8, 1.0) for i in range(3)]
+    task = make_task([big, *small], 2, memory=40_000_000)
+    assert task.table_memory_bytes(big) > task.device_memory_bytes
+    for column_wise in (True, False):  # memory-forced splits happen even without the beam
+        plan = sharder(column_wise=column_wise).shard(task)
+        validate(task, plan)
+        _column_cover_ok(task, plan)
+        assert len({p.device for p in plan.shards if p.table == "big"}) == 2
+
+
+def test_infeasible_task_names_the_table_and_the_shortfall():
+    tables = [Table("a", 100_000, 64, 1.0), Table("b", 100_000, 64, 1.0)]
+    task = make_task(tables, 2, memory=20_000_000)  # each needs 25.6 MB + I/O
+    with pytest.raises(InfeasibleError) as e:
+        sharder().shard(task)
+    assert e.value.table in ("a", "b") and e.value.shortfall_bytes > 0
+    assert e.value.table in str(e.value) and "short by" in str(e.value)
+    # dim 4 cannot be halved: a too-big dim-4 table stays infeasible
+    thin = Table("thin", 2_000_000, 4, 1.0)
+    task = make_task([thin], 4, memory=20_000_000)
+    with pytest.raises(InfeasibleError) as e:
+        sharder().shard(task)
+    assert e.value.table == "thin" and e.value.shortfall_bytes > 0
+
+
+def test_look_ahead_keeps_a_tight_task_packable():
+    # Costs order the small hot tables first; a naive greedy would spread them and leave no
+    # device with room for the two big cold ones.
+    hot = [Table(f"h{i}", 1000, 8, 50.0) for i in range(4)]
+    cold = [Table(f"c{i}", 1_000_000, 16, 0.1) for i in range(2)]
+    task = make_task([*hot, *cold], 2, slack=1.02)
+    plan = sharder(column_wise=False).shard(task)
+    validate(task, plan)
+
+
+# ----------------------------------------------------------------------------- caching, modes
+def test_search_reuses_predictions():
+    tables = [Table(f"t{i}", 1000 * (i + 1), 4 * (1 + i % 8), 1.0 + i) for i in range(10)]
+    task = make_task(tables, 3, slack=2.0)
+    pred = Counting(AnalyticPredictor(batch_size=BATCH))
+    s = sharder(predictor=pred, beam_steps=2, incremental=False)
+    plan = s.shard(task)
+    calls, shards = pred.compute_calls, pred.shards
+    assert s.last_stats["shard_hits"] > shards  # the caps and beam states share shards
+    assert calls < s.last_stats["greedy_runs"] * len(s.caps) * 10  # batched: not one call per shard
+    again = s.shard(task)  # a second search of the same task is served from the cache
+    assert (pred.compute_calls, pred.shards) == (calls, shards)
+    assert again.shards == plan.shards
+
+
+class SumMax:
+    """A fake neural-like predictor with a sum ‖ max reduction over 2-d table encodings."""
+
+    batch_size = BATCH
+    reduction = "sum_max"
+
+    def table_encodings(self, tables):
+        return np.array([[t.dim * t.pooling_factor / 10.0, float(t.dim)] for t in tables]).reshape(-1, 2)
+
+    def head_ms(self, pooled):
+        pooled = np.asarray(pooled)
+        return 1.0 + pooled[:, 0] + 0.05 * pooled[:, 1] + 0.5 * pooled[:, 3]
+
+    def compute_ms(self, shards):
+        out = np.zeros(len(shards))
+        for i, s in enumerate(shards):
+            if s:
+                e = self.table_encodings(s)
+                out[i] = self.head_ms(np.concatenate([e.sum(0), e.max(0)])[None])[0]
+        return out
+
+    def comm_ms(self, widths, delays_ms):
+        w = np.asarray(widths, dtype=float)
+        bw = 0.1 + 0.001 * w.sum(axis=1, keepdims=True) + 0 * w
+        return bw + delays_ms.max(axis=1, keepdims=True) - delays_ms, bw
+
+
+@pytest.mark.parametrize("predictor", [None, SumMax()], ids=["analytic", "sum_max"])
+def test_incremental_and_cached_searches_agree(predictor):
+    rng = np.random.default_rng(1)
+    tables = [Table(f"t{i}", int(rng.integers(100, 50_000)), 4 * int(rng.integers(1, 33)), float(rng.uniform(0, 30)))
+              for i in range(40)]
+    task = make_task(tables, 16, slack=1.5)
+    if predictor is not None:
+        assert supports_incremental(predictor)
+    kw = dict(predictor=predictor, beam_steps=1, candidates=3)
+    inc, cached = sharder(incremental=True, **kw), sharder(incremental=False, **kw)
+    p1, p2 = inc.shard(task), cached.shard(task)
+    assert inc.last_stats["incremental"] and not cached.last_stats["incremental"]
+    assert inc.last_predicted_cost_ms == pytest.approx(cached.last_predicted_cost_ms, rel=1e-9)
+    validate(task, p1)
+    validate(task, p2)
+
+
+def test_beam_is_skipped_for_huge_tasks_but_splits_still_rescue():
+    tables = [Table(f"t{i}", 1000, 8, 1.0) for i in range(20)]
+    task = make_task(tables, 4, slack=2.0)
+    s = sharder(beam_max_work=10)
+    s.shard(task)
+    assert s.last_stats["beam"] is False and s.last_stats["greedy_runs"] == 1
+    s = sharder(beam_max_work=None, beam_steps=1)
+    s.shard(task)
+    assert s.last_stats["beam"] is True and s.last_stats["greedy_runs"] > 1
+
+
+# ----------------------------------------------------------------------------- checkpoint, config
+def test_missing_checkpoint_error_or_fallback(caplog):
+    task = make_task([Table("a", 1000, 8, 1.0), Table("b", 1000, 16, 2.0)], 2)
+    missing = "no/such/dir/cost_models.pt"
+    with pytest.raises(InputError) as e:
+        sharder(checkpoint=missing, fallback="error").shard(task)
+    msg = str(e.value)
+    assert "\n" not in msg and str(ROOT / missing) in msg and "train.py stage=pretrain" in msg
+    with caplog.at_level(logging.WARNING, logger="embshard.search.neuroshard"):
+        plan = sharder(checkpoint=missing, fallback="analytic").shard(task)
+    validate(task, plan)
+    assert any("not found" in r.getMessage() and "analytic" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_arguments_are_input_errors():
+    with pytest.raises(InputError):
+        NeuroShardSharder(fallback="maybe")
+    with pytest.raises(InputError):
+        NeuroShardSharder(caps=[])
+    with pytest.raises(InputError):
+        NeuroShardSharder(beam_width=-1)
+
+
+def test_conf_instantiates(monkeypatch):
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("EMBSHARD_CHECKPOINT", "elsewhere/models.pt")
+    cfg = OmegaConf.load(ROOT / "conf" / "search" / "neuroshard.yaml")
+    s = instantiate(cfg)
+    assert isinstance(s, NeuroShardSharder) and s.name == "neuroshard"
+    assert s.checkpoint == "elsewhere/models.pt" and s.caps[0] == 1.0 and s.caps[-1] == 1.5 and len(s.caps) == 11
+
+
+def test_search_object_reports_infeasible_only_after_trying_splits():
+    big = Table("big", 300_000, 8, 1.0)  # halvable once (8 -> 4 + 4)
+    task = make_task([big], 4, memory=7_000_000)  # one half needs 4.8 MB + I/O; whole 9.6 MB
+    search = NeuroShardSearch(task, Simulator(AnalyticPredictor(batch_size=BATCH)))
+    state, best = search.run()
+    assert state == (("big", 0, 4), ("big", 4, 4))
+    assert len(set(best.devices)) == 2
