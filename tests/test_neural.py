@@ -75,7 +75,7 @@ def write_data(path: Path, n_compute=600, n_comm=300, devices=(2, 3, 4, 5, 6, 8)
 
 
 FAST = {"max_epochs": 60, "batch_size": 32, "lr": 3e-3, "patience": 25, "progress": False, "wandb": False,
-        "val_fraction": 0.1, "test_fraction": 0.15, "holdout_num_devices": 6,
+        "val_fraction": 0.1, "test_fraction": 0.15, "holdout_num_devices": 6, "val_by": "tables",
         "compute": {"encoder_hidden": 32, "encoder_out": 16, "head_hidden": 32},
         "comm": {"hidden": 32, "embed": 16}}
 

@@ -11,8 +11,12 @@ reads ``data_dir/compute.jsonl``, ``comm.jsonl`` and ``profile.json``, and write
 * ``logs/<model>/metrics.csv`` (Lightning's CSVLogger, per epoch) and ``wandb/`` (offline).
 
 Held-out evaluation is by TABLES for the compute model: table names are split (seeded) into
-train/val/test; a sample with any test table is a test sample, else with any val table a
-val sample, else a train sample. Comm samples are split by sample, and every sample with
+train/test (the collector's own held-out tables when its samples carry split="test"); a
+sample with any test table is a test sample. The validation set (early stopping, best
+weights, the sweep objective) is by default a seeded share of the remaining samples
+(``val_by: samples``): holding out val *tables* as well (``val_by: tables``, a sample with
+any val table is a val sample) costs about half the training shards when shards hold up to
+15 tables (a 15-table shard avoids 10% of the tables with probability 0.9^15 = 0.2). Comm samples are split by sample, and every sample with
 ``holdout_num_devices`` devices is kept out of training altogether, to show that one model
 serves device counts it never saw.
 """
@@ -48,6 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "weight_decay": 0.0,
     "patience": 40,
     "val_fraction": 0.1,
+    "val_by": "samples",
     "test_fraction": 0.1,
     "comm_val_fraction": 0.1,
     "comm_test_fraction": 0.1,
@@ -281,6 +286,8 @@ def resolve_config(cfg: Any) -> dict[str, Any]:
     for k in ("compute", "comm"):
         if out[k]["target"] not in N.TARGETS:
             raise InputError(f"{k}.target must be one of {N.TARGETS}, got {out[k]['target']!r}")
+    if out["val_by"] not in ("samples", "tables"):
+        raise InputError(f"val_by must be 'samples' or 'tables', got {out['val_by']!r}")
     if out["compute"]["loss"] not in ("mse", "relative"):
         raise InputError(f"compute.loss must be 'mse' or 'relative', got {out['compute']['loss']!r}")
     if int(out["max_epochs"]) < 1 or int(out["batch_size"]) < 1 or float(out["lr"]) <= 0:
@@ -330,8 +337,16 @@ def _pretrain(c: dict[str, Any], data_dir: Path, out_dir: Path) -> float:
     seed = int(c["seed"])
 
     # ---- splits
-    tables = split_tables_honouring(compute_samples, float(c["val_fraction"]), float(c["test_fraction"]), seed)
+    by_tables = c["val_by"] == "tables"
+    tables = split_tables_honouring(compute_samples, float(c["val_fraction"]) if by_tables else 0.0,
+                                    float(c["test_fraction"]), seed)
     csplit = split_compute(compute_samples, tables)
+    if not by_tables:  # val: a seeded share of the non-test samples (their tables are train tables)
+        rest = csplit["train"]
+        perm = np.random.default_rng(seed + 2).permutation(len(rest))
+        n_val = max(1, int(round(float(c["val_fraction"]) * len(rest)))) if len(rest) >= 3 else 0
+        csplit["val"] = sorted(rest[i] for i in perm[:n_val])
+        csplit["train"] = sorted(rest[i] for i in perm[n_val:])
     hold = c["holdout_num_devices"]
     msplit = split_comm(comm_samples, float(c["comm_val_fraction"]), float(c["comm_test_fraction"]), seed,
                         int(hold) if hold is not None else None)
@@ -506,6 +521,7 @@ def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, 
     """Markdown numbers for the checkpoint's data card (the command is added by train.py's caller)."""
     cs, ms = data["compute_samples"], data["comm_samples"]
     t = data["tables"]
+    val_tables = f", {len(t['val'])} tables" if t["val"] else ""
     rows = []
     for model, split, label in (
         ("compute", "test", "compute, held-out tables"),
@@ -524,8 +540,8 @@ def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, 
         "## Hardware profile\n\n" + (prof or "- (empty)") + "\n\n"
         "## Samples\n\n"
         f"- compute shards: {cs.get('train', 0)} train / {cs.get('val', 0)} val / {cs.get('test', 0)} test "
-        f"(split by table names: {len(t['train'])} / {len(t['val'])} / {len(t['test'])} tables; a shard with any "
-        "held-out table is held out)\n"
+        f"(test by table names: {len(t['test'])} held-out tables, a shard with any of them is a test shard; "
+        f"val by {data['config']['val_by']}{val_tables})\n"
         f"- comm configurations: {ms.get('train', 0)} train / {ms.get('val', 0)} val / {ms.get('test', 0)} test, "
         f"plus {ms.get('heldout_devices', 0)} with D={data['holdout_num_devices']} never trained on; "
         f"device counts in the data: {data['comm_num_devices']}\n\n"
