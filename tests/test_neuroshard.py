@@ -371,3 +371,14 @@ def test_search_object_reports_infeasible_only_after_trying_splits():
     state, best = search.run()
     assert state == (("big", 0, 4), ("big", 4, 4))
     assert len(set(best.devices)) == 2
+
+
+def test_costs_are_scaled_from_the_predictor_batch_to_the_task_batch():
+    task = make_task([Table("a", 1000, 8, 1.0), Table("b", 1000, 16, 2.0)], 2)
+    half = AnalyticPredictor(batch_size=BATCH // 2)  # a model trained at half the task's batch
+    s = sharder(predictor=half)
+    plan = s.shard(task)
+    raw = Simulator(AnalyticPredictor(batch_size=BATCH // 2)).device_costs(
+        [[Table(x.table, 1000, x.dim, 1.0 if x.table == "a" else 2.0) for x in plan.shards_on(d)] for d in range(2)])
+    assert s.last_predicted_cost_ms == pytest.approx(2.0 * raw.plan_cost_ms)
+    assert PredictorCostModel(half).device_costs(task, plan).plan_cost_ms == pytest.approx(s.last_predicted_cost_ms)

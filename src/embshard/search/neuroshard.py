@@ -44,7 +44,7 @@ from embshard.costs.analytic import AnalyticCostModel
 from embshard.costs.base import DeviceCosts
 from embshard.errors import InfeasibleError, InputError
 from embshard.plan import MemoryLedger, Plan, Shard, validate
-from embshard.search.simulator import AnalyticPredictor, ShardPredictor, Simulator
+from embshard.search.simulator import AnalyticPredictor, ShardPredictor, Simulator, batch_ratio, scale_costs
 from embshard.tables import DIM_ALIGNMENT, Table
 from embshard.task import Task
 
@@ -596,8 +596,9 @@ class NeuroShardSharder:
         plan, best = search.plan(self.name)
         validate(task, plan)
         self.last_search_seconds = time.perf_counter() - start
-        self.last_predicted_cost_ms = best.cost_ms
-        self.last_costs = best.costs
+        ratio = batch_ratio(search.sim.predictor, task)
+        self.last_costs = scale_costs(best.costs, ratio)
+        self.last_predicted_cost_ms = self.last_costs.plan_cost_ms
         self.last_stats = {
             "greedy_runs": search.greedy_runs,
             "incremental": search.incremental,

@@ -300,4 +300,22 @@ class PredictorCostModel:
         return self.simulator.predictor
 
     def device_costs(self, task: Task, plan: Plan) -> DeviceCosts:
-        return self.simulator.device_costs(plan_pieces(task, plan))
+        """Simulated costs at the task's batch (scaled linearly from the predictor's)."""
+        costs = self.simulator.device_costs(plan_pieces(task, plan))
+        return scale_costs(costs, batch_ratio(self.predictor, task))
+
+
+def batch_ratio(predictor: ShardPredictor, task: Task) -> float:
+    """Linear scale from the predictor's batch to the task's (1 when not tied to one)."""
+    b = getattr(predictor, "batch_size", None)
+    return task.batch_size / b if b else 1.0
+
+
+def scale_costs(costs: DeviceCosts, ratio: float) -> DeviceCosts:
+    if ratio == 1.0:
+        return costs
+    return DeviceCosts(
+        compute_ms=[x * ratio for x in costs.compute_ms],
+        forward_comm_ms=[x * ratio for x in costs.forward_comm_ms],
+        backward_comm_ms=[x * ratio for x in costs.backward_comm_ms],
+    )
