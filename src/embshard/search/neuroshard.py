@@ -40,7 +40,6 @@ from typing import Sequence
 
 import numpy as np
 
-from embshard.costs.analytic import AnalyticCostModel
 from embshard.costs.base import DeviceCosts
 from embshard.errors import InfeasibleError, InputError
 from embshard.plan import MemoryLedger, Plan, Shard, validate
