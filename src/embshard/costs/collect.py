@@ -84,7 +84,7 @@ DEFAULTS: dict[str, Any] = {
         "max_tables": 15,
         "dims": [4, 8, 16, 32, 64, 128],
         "column_halves": True,
-        "pair_prob": 0.1,
+        "pair_prob": 0.03,
         "max_bytes": 512 << 20,
         "warmups": 2,
         "repetitions": 6,
