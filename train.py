@@ -1,9 +1,11 @@
-"""Hydra entry for the offline stages: data, tasks (and, as they land, cost-data
-collection, cost-model pre-training and end-to-end DLRM training).
+"""Hydra entry for the offline stages: data, tasks, cost-data collection, cost-model
+pre-training (and, as it lands, end-to-end DLRM training).
 
     python train.py stage=synthetic dataset.num_tables=856 dataset.batch_size=65536
     python train.py stage=pool dataset=dlrm_2021 dataset.path=/data/fbgemm_t856_bs65536.pt.gz
     python train.py stage=tasks task=dreamshard out_dir=tasks/dreamshard
+    python train.py stage=collect collect=cpu out_dir=costdata/cpu        # resumable; torchrun for ranks
+    python train.py stage=pretrain data_dir=costdata/cpu out_dir=checkpoints/cpu_fbgemm
 
 Every run writes its resolved config (config.yaml) beside its outputs.
 """
@@ -23,37 +25,70 @@ from embshard.errors import EmbshardError, InputError
 
 log = logging.getLogger("train")
 ROOT = Path(__file__).resolve().parent
-STAGES = ("synthetic", "pool", "tasks")
+STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
     try:
-        run(cfg)
+        return run(cfg)
     except (EmbshardError, MissingMandatoryValue) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
 
 
-def run(cfg: DictConfig) -> Path:
+def run(cfg: DictConfig) -> float | None:
     from embshard.io import write_text_atomic
 
     if cfg.stage not in STAGES:
         raise InputError(f"unknown stage {cfg.stage!r}; choose from {', '.join(STAGES)}")
     out_dir = Path(cfg.out_dir) if cfg.out_dir else ROOT / "outputs" / "train" / cfg.stage / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    dataset = dataset_path(cfg.dataset)
-    if cfg.stage == "synthetic":
-        log.info("synthetic dataset at %s", dataset)
-    elif cfg.stage == "pool":
-        from embshard.data.tasks import table_pool_from_dataset
+    result = None
+    if cfg.stage == "pretrain":
+        from embshard.costs.pretrain import pretrain
 
-        pool = table_pool_from_dataset(dataset, out_dir / "table_pool.json", hash_sizes=cfg.dataset.get("hash_sizes"))
-        log.info("%d tables -> %s", len(pool), out_dir / "table_pool.json")
+        if not cfg.get("data_dir"):
+            raise InputError("stage=pretrain needs data_dir=<folder with compute.jsonl, comm.jsonl, profile.json>")
+        result = pretrain(cfg.cost_model, cfg.data_dir, out_dir)
+        log.info("objective %.4f", result)
     else:
-        make_tasks(cfg, dataset, out_dir)
-    write_text_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    print(f"wrote {out_dir}")
-    return out_dir
+        dataset = dataset_path(cfg.dataset)
+        if cfg.stage == "synthetic":
+            log.info("synthetic dataset at %s", dataset)
+        elif cfg.stage == "pool":
+            from embshard.data.tasks import table_pool_from_dataset
+
+            pool = table_pool_from_dataset(dataset, out_dir / "table_pool.json", hash_sizes=cfg.dataset.get("hash_sizes"))
+            log.info("%d tables -> %s", len(pool), out_dir / "table_pool.json")
+        elif cfg.stage == "collect":
+            collect_cost_data(cfg, dataset, out_dir)
+        else:
+            make_tasks(cfg, dataset, out_dir)
+    if _is_rank_zero():
+        write_text_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        print(f"wrote {out_dir}")
+    return result
+
+
+def _is_rank_zero() -> bool:
+    import os
+
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def collect_cost_data(cfg: DictConfig, dataset: Path, out_dir: Path) -> None:
+    """Measure this rank's share of cost samples (resumable), then merge on rank 0."""
+    from embshard.costs.collect import collect, merge
+
+    c = OmegaConf.to_container(cfg.collect, resolve=True)
+    from embshard.costs.collect import wait_for_ranks
+
+    done = collect(c, out_dir, pool=c.get("pool") or dataset)
+    log.info("rank %d: %s new chunks, %s skipped (already on disk)", done.rank, done.new_chunks, done.skipped_chunks)
+    wait_for_ranks(done)  # under torchrun: every rank has finished its chunks
+    if done.rank == 0:
+        merged = merge(out_dir)
+        log.info("merged: %s", merged)
 
 
 def dataset_path(ds: DictConfig) -> Path:

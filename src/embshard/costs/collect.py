@@ -69,6 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "pool": None,
     "tables": None,
     "exclude_tables": [],
+    "exclude_tables_from": None,
     "holdout": {"fraction": 0.25, "sample_share": 0.2, "seed": 0},
     "seed": 0,
     "backend": "fbgemm",
@@ -622,7 +623,16 @@ def collect(
     if pool is None:
         raise InputError("collect: no table pool (set collect.pool or the dataset)")
     all_entries = load_pool(pool)
-    entries = select_pool(all_entries, c["tables"], c["exclude_tables"])
+    exclude = list(c["exclude_tables"] or [])
+    if c["exclude_tables_from"]:
+        # a task split (split.json of stage=tasks): its test tables never enter pre-training
+        from embshard.task import read_json
+
+        split = read_json(c["exclude_tables_from"])
+        if not isinstance(split, dict) or not isinstance(split.get("test"), list):
+            raise InputError(f"{c['exclude_tables_from']}: expected a split with a 'test' list of table names")
+        exclude += [n for n in split["test"] if n not in exclude]
+    entries = select_pool(all_entries, c["tables"], exclude)
     train_entries, test_entries = _split(entries, c["holdout"])
     r, w, local_rank = rank_info(rank, world_size)
     device = c["device"]
