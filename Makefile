@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv clean checkpoint neuroshard-eval
 
 venv: $(STAMP)
 
@@ -30,3 +30,21 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) outputs multirun
+
+# NeuroShard on this CPU: tasks from the test half of a 128-table synthetic pool, cost data
+# measured on the train half only, the shipped checkpoint, and the held-out comparison.
+NS := experiments/neuroshard_cpu
+NS_DATA := dataset.num_tables=128 dataset.batch_size=4096
+NS_ALGOS := [random,round_robin,size_greedy,dim_greedy,lookup_greedy,size_lookup_greedy,torchrec,neuroshard]
+
+checkpoint: $(STAMP)
+	$(PY) train.py stage=tasks task=neuroshard_cpu $(NS_DATA) out_dir=$(NS)/tasks4
+	$(PY) train.py stage=collect $(NS_DATA) collect.exclude_tables_from=$(NS)/tasks4/split.json \
+		collect.compute.num_samples=1200 collect.comm.num_samples=200 out_dir=$(NS)/costdata
+	$(PY) train.py stage=pretrain data_dir=$(NS)/costdata out_dir=checkpoints/cpu_fbgemm
+
+neuroshard-eval: $(STAMP)
+	$(PY) train.py stage=tasks task=neuroshard_cpu $(NS_DATA) out_dir=$(NS)/tasks4
+	$(PY) train.py stage=tasks task=neuroshard_cpu task.num_devices=8 $(NS_DATA) out_dir=$(NS)/tasks8
+	$(PY) shard.py task_file=$(NS)/tasks4/test algorithms=$(NS_ALGOS) out_dir=$(NS)/runs/4dev
+	$(PY) shard.py task_file=$(NS)/tasks8/test algorithms=$(NS_ALGOS) out_dir=$(NS)/runs/8dev

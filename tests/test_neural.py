@@ -305,3 +305,27 @@ def test_hydra_config_instantiates_the_bundle(trained):
     cfg.path = str(root / "out" / "cost_models.pt")
     models = instantiate(cfg)
     assert isinstance(models, N.NeuralCostModels) and models.batch_size == BATCH
+
+
+@pytest.mark.parametrize("reduction", N.REDUCTIONS)
+@pytest.mark.parametrize("additive", [False, True])
+def test_numpy_inference_matches_torch_for_every_compute_variant(trained, reduction, additive):
+    root, _ = trained
+    bundle = torch.load(root / "out" / "cost_models.pt", weights_only=True)
+    torch.manual_seed(0)
+    hp = dict(bundle["compute"]["hparams"], reduction=reduction, additive=additive)
+    net = N.ComputeNet(**hp).eval()
+    bundle["compute"] = {"state_dict": {k: v.clone() for k, v in net.state_dict().items()}, "hparams": hp}
+    models = N.NeuralCostModels(bundle)
+    pool = make_pool(9, np.random.default_rng(3))
+    shards = [pool[:1], pool[1:5], pool[5:9]]
+    norm = models.norm["compute"]
+    for s, fast in zip(shards, models.compute_ms(shards)):
+        x = torch.from_numpy(norm.x(N.compute_features(s)))[None]
+        with torch.no_grad():
+            ref = norm.to_ms(net(x, torch.ones(1, len(s))).numpy())[0]
+        assert fast == pytest.approx(ref, rel=1e-4, abs=1e-6)
+    # the search's running sums: head_ms(sum of encodings) is the same prediction
+    enc = models.table_encodings(pool[1:5])
+    pooled = models.pool(enc, np.array([0, 4]))
+    assert models.head_ms(pooled)[0] == pytest.approx(models.compute_ms([pool[1:5]])[0], rel=1e-5)

@@ -156,7 +156,7 @@ class ComputeNet(nn.Module):
     """
 
     def __init__(self, in_features: int = NUM_FEATURES, encoder_hidden: int = 128, encoder_out: int = 32,
-                 head_hidden: int = 64, reduction: str = "sum"):
+                 head_hidden: int = 64, reduction: str = "sum", additive: bool = False):
         super().__init__()
         if reduction not in REDUCTIONS:
             raise InputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -166,13 +166,20 @@ class ComputeNet(nn.Module):
         )
         pooled = encoder_out * (2 if reduction == "sum_max" else 1)
         self.head = nn.Sequential(nn.Linear(pooled, head_hidden), nn.ReLU(), nn.Linear(head_hidden, 1))
+        # additive: every table also adds its own non-negative cost (softplus), summed over the
+        # shard; the head models only what fusion changes. A shard of more tables then never
+        # predicts less, and unseen tables extrapolate through their own term.
+        self.additive = nn.Sequential(nn.Linear(encoder_out, 1)) if additive else None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.encoder(x) * mask.unsqueeze(-1)  # encodings are >= 0 (ReLU): padding at 0 is neutral for max
         pooled = h.sum(1)
         if self.reduction == "sum_max":
             pooled = torch.cat([pooled, h.max(1).values], dim=-1)
-        return self.head(pooled).squeeze(-1)
+        out = self.head(pooled).squeeze(-1)
+        if self.additive is not None:
+            out = out + (nn.functional.softplus(self.additive(h)).squeeze(-1) * mask).sum(1)
+        return out
 
 
 class CommNet(nn.Module):
@@ -526,6 +533,10 @@ class NeuralCostModels:
         self.reduction = self.hparams["compute"].get("reduction", "sum")
         self._enc = _linears(states["compute"], "encoder")
         self._head = _linears(states["compute"], "head")
+        # additive models carry each table's own cost as one extra encoding column, so a
+        # shard is still head(sum of encodings): the search's running sums work unchanged
+        self._add = _linears(states["compute"], "additive") or None
+        self._enc_width = self._enc[-1][0].shape[1]
         self._comm_layers = {k: (_linears(states[k], "phi"), _linears(states[k], "rho")) for k in ("forward_comm", "backward_comm")}
         self._cache: dict[Table, np.ndarray] = {}
         self._warned_batch = False
@@ -562,13 +573,16 @@ class NeuralCostModels:
         """[N, E] per-table encodings (cached per Table). A shard's prediction is
         `head_ms(pool(encodings of its tables))`, so a search can add and remove tables
         from a device's running sum without re-encoding anything."""
-        out = np.empty((len(tables), self._enc[-1][0].shape[1]), np.float32)
+        out = np.empty((len(tables), self._enc_width + (1 if self._add else 0)), np.float32)
         missing = [i for i, t in enumerate(tables) if t not in self._cache]
         if missing:
             if len(self._cache) > 1_000_000:
                 self._cache.clear()
             feats = compute_features([tables[i] for i in missing])
             enc = _mlp(self.norm["compute"].x(feats), self._enc, relu_last=True)
+            if self._add:
+                own = np.logaddexp(0.0, _mlp(enc, self._add, relu_last=False))  # softplus
+                enc = np.concatenate([enc, own.astype(np.float32)], axis=1)
             for i, e in zip(missing, enc):
                 self._cache[tables[i]] = e
         for i, t in enumerate(tables):
@@ -591,7 +605,14 @@ class NeuralCostModels:
 
     def head_ms(self, pooled: np.ndarray) -> np.ndarray:
         """[n] predicted ms of shards from their pooled encodings (at `self.batch_size`)."""
-        out = _mlp(np.asarray(pooled, np.float32), self._head, relu_last=False)[:, 0]
+        pooled = np.asarray(pooled, np.float32)
+        if self._add:  # layout: [sum of (E + 1) columns] (+ [max of (E + 1) columns] for sum_max)
+            e = self._enc_width
+            own = pooled[:, e]
+            parts = [pooled[:, :e]] + ([pooled[:, e + 1 : 2 * e + 1]] if self.reduction == "sum_max" else [])
+            out = _mlp(np.concatenate(parts, axis=1), self._head, relu_last=False)[:, 0] + own
+        else:
+            out = _mlp(pooled, self._head, relu_last=False)[:, 0]
         return self.norm["compute"].to_ms(out)
 
     def compute_ms(self, shards: Sequence[Sequence[Table]]) -> np.ndarray:

@@ -57,7 +57,7 @@ DEFAULTS: dict[str, Any] = {
     "comm_val_fraction": 0.1,
     "comm_test_fraction": 0.1,
     "holdout_num_devices": 6,
-    "compute": {"encoder_hidden": 128, "encoder_out": 32, "head_hidden": 64, "reduction": "sum", "target": "ms",
+    "compute": {"encoder_hidden": 128, "encoder_out": 32, "head_hidden": 64, "reduction": "sum", "additive": True, "target": "ms",
                 "loss": "mse"},
     "comm": {"hidden": 64, "embed": 32, "target": "ms"},
     "objective": "compute/val/kendall_tau",
@@ -374,7 +374,7 @@ def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, bat
     train_idx = csplit["train"]
     norm = N.Normalization.fit(np.concatenate([feats[i] for i in train_idx]), y[train_idx], c["compute"]["target"])
     tens = {k: N.compute_tensors([feats[i] for i in v], y[v], norm, c["compute"]["loss"]) for k, v in csplit.items() if v}
-    hp = {"in_features": N.NUM_FEATURES, **{k: c["compute"][k] for k in ("encoder_hidden", "encoder_out", "head_hidden", "reduction")}}
+    hp = {"in_features": N.NUM_FEATURES, **{k: c["compute"][k] for k in ("encoder_hidden", "encoder_out", "head_hidden", "reduction", "additive")}}
     net, info = train_model("compute", hp, tens["train"], tens["val"], c, loggers_for("compute"), bool(c["progress"]))
     m = dict(info)
     for split, t in tens.items():
