@@ -57,7 +57,7 @@ DEFAULTS: dict[str, Any] = {
     "comm_val_fraction": 0.1,
     "comm_test_fraction": 0.1,
     "holdout_num_devices": 6,
-    "compute": {"encoder_hidden": 128, "encoder_out": 32, "head_hidden": 64, "reduction": "sum", "additive": True, "target": "ms",
+    "compute": {"encoder_hidden": 128, "encoder_out": 32, "head_hidden": 64, "reduction": "sum", "additive": False, "target": "ms",
                 "loss": "mse"},
     "comm": {"hidden": 64, "embed": 32, "target": "ms"},
     "objective": "compute/val/kendall_tau",
