@@ -533,7 +533,11 @@ def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, 
         m = metrics.get(model, {}).get(split)
         if m and m.get("n"):
             rows.append(f"| {label} | {m['n']} | {m['rmse_ms']:.3f} | {m['mape_pct']:.1f} | {m['r2']:.3f} | {m['kendall_tau']:.3f} |")
-    prof = "\n".join(f"- {k}: {v}" for k, v in profile.items() if not isinstance(v, (dict, list)))
+    hardware = {**{k: v for k, v in profile.items() if not isinstance(v, (dict, list))}, **(profile.get("hardware") or {})}
+    pool = profile.get("pool") or {}
+    if pool.get("source"):
+        hardware["table pool"] = f"{pool['source']} ({len(pool.get('train_tables') or [])} train / {len(pool.get('test_tables') or [])} held-out tables)"
+    prof = "\n".join(f"- {k}: {v}" for k, v in hardware.items())
     return (
         "# Cost models: data card\n\n"
         f"Created {data['created']} on host `{data['host']}` from `{data['source']}` (batch size {data['batch_size']}).\n\n"
@@ -547,5 +551,10 @@ def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, 
         f"device counts in the data: {data['comm_num_devices']}\n\n"
         "## Held-out accuracy (ms)\n\n"
         "| model | n | RMSE (ms) | MAPE (%) | R² | Kendall τ |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
-        f"Training took {metrics.get('train_seconds_total', float('nan')):.0f} s.\n"
+        f"Training took {metrics.get('train_seconds_total', float('nan')):.0f} s.\n\n"
+        "## Commands\n\n"
+        f"- cost data: `python train.py stage=collect ... out_dir={data['source']}` "
+        "(the resolved collection config is in the data folder's profile.json and config.yaml)\n"
+        f"- these models: `python train.py stage=pretrain data_dir={data['source']} out_dir=<this folder>`\n"
+        "- the shipped CPU checkpoint end to end: `make checkpoint`\n"
     )
