@@ -45,5 +45,5 @@ def test_one_cost_model_trial_runs_offline(tmp_path, monkeypatch):
                             f"out_dir={out}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
-    assert "compute" in metrics and (out / "cost_models.pt").is_file()
+    assert "compute" in metrics["metrics"] and (out / "cost_models.pt").is_file()
     assert list((out / "wandb").glob("offline-run-*"))
