@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import logging
 import shutil
-import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
 
-from embshard.errors import EmbshardError, InputError
+from embshard.cli import one_line_errors
+from embshard.errors import InputError
 
 log = logging.getLogger("shard")
 ROOT = Path(__file__).resolve().parent
@@ -29,11 +28,7 @@ ROOT = Path(__file__).resolve().parent
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="shard")
 def main(cfg: DictConfig) -> float | None:
-    try:
-        return run(cfg)
-    except (EmbshardError, MissingMandatoryValue) as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+    return one_line_errors(run, cfg)
 
 
 def run(cfg: DictConfig) -> float | None:

@@ -13,15 +13,14 @@ Every run writes its resolved config (config.yaml) beside its outputs.
 from __future__ import annotations
 
 import logging
-import sys
 from datetime import datetime
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
 
-from embshard.errors import EmbshardError, InputError
+from embshard.cli import one_line_errors
+from embshard.errors import InputError
 
 log = logging.getLogger("train")
 ROOT = Path(__file__).resolve().parent
@@ -30,11 +29,7 @@ STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain")
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    try:
-        return run(cfg)
-    except (EmbshardError, MissingMandatoryValue) as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+    return one_line_errors(run, cfg)
 
 
 def run(cfg: DictConfig) -> float | None:
