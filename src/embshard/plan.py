@@ -29,10 +29,6 @@ class Shard:
     def whole(cls, table: Table, device: int) -> "Shard":
         return cls(table.name, device, 0, table.dim, 0, table.rows)
 
-    @property
-    def kind(self) -> str:
-        return "shard"
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -179,19 +175,10 @@ class MemoryLedger:
     def need(self, table: Table, rows: int | None = None, dim: int | None = None) -> int:
         return self.task.shard_memory_bytes(table, table.rows if rows is None else rows, table.dim if dim is None else dim)
 
-    def fits(self, device: int, nbytes: int) -> bool:
-        return self.free[device] >= nbytes
-
-    def devices_with_room(self, nbytes: int) -> list[int]:
-        return [d for d in range(self.task.num_devices) if self.free[d] >= nbytes]
-
     def take(self, device: int, nbytes: int) -> None:
         if self.free[device] < nbytes:
             raise PlanError(f"device {device} has {self.free[device]} bytes free, {nbytes} requested")
         self.free[device] -= nbytes
-
-    def give(self, device: int, nbytes: int) -> None:
-        self.free[device] += nbytes
 
     def place(self, table: Table, nbytes: int, preference: Sequence[int]) -> int:
         """Put a piece of `nbytes` on the first preferred device with room that keeps the
@@ -250,18 +237,3 @@ def infeasible(table: Table, nbytes: int, free_bytes: int, device: int, short: i
         table=table.name,
         shortfall_bytes=short,
     )
-
-
-def check_feasible(task: Task) -> None:
-    """Fail fast when the whole task cannot fit in the devices' total memory."""
-    total_free = task.num_devices * task.device_memory_bytes
-    needed = sum(task.table_memory_bytes(t) for t in task.tables)
-    if needed > total_free:
-        biggest = max(task.tables, key=task.table_memory_bytes)
-        raise InfeasibleError(
-            f"task {task.name!r} needs {needed} bytes on {task.num_devices} devices of "
-            f"{task.device_memory_bytes} bytes ({total_free} in all): short by {needed - total_free} bytes "
-            f"(largest table {biggest.name!r}, {task.table_memory_bytes(biggest)} bytes)",
-            table=biggest.name,
-            shortfall_bytes=needed - total_free,
-        )
