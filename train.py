@@ -66,9 +66,9 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def _is_rank_zero() -> bool:
-    import os
+    from embshard.costs.collect import rank_info  # the one reader of torchrun's environment
 
-    return int(os.environ.get("RANK", "0")) == 0
+    return rank_info()[0] == 0
 
 
 def collect_cost_data(cfg: DictConfig, dataset: Path, out_dir: Path) -> None:
