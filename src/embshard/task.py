@@ -78,6 +78,12 @@ class Task:
             raise InputError(f"{where}: devices_per_host must be a positive integer")
 
     # ------------------------------------------------------------------ lookups
+    def table(self, name: str) -> Table:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
     @property
     def table_by_name(self) -> dict[str, Table]:
         return {t.name: t for t in self.tables}
