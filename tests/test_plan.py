@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embshard import InfeasibleError, InputError, Plan, PlanError, Shard, Table, Task, validate
-from embshard.search.baselines import COST_KEYS, GreedySharder, RandomSharder, RoundRobinSharder
+from embshard.search.baselines import COST_KEYS, GreedySharder, PileUpSharder, RandomSharder, RoundRobinSharder
 
-BASELINES = [GreedySharder(k) for k in COST_KEYS] + [RandomSharder(seed=3), RoundRobinSharder()]
+BASELINES = [GreedySharder(k) for k in COST_KEYS] + [RandomSharder(seed=3), RoundRobinSharder(), PileUpSharder()]
 
 
 def make_task(tables, num_devices=2, memory=10**9, batch_size=64, optimizer="sgd") -> Task:

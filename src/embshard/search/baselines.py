@@ -89,3 +89,22 @@ class RoundRobinSharder:
             shards.append(Shard.whole(table, device))
             next_device = (device + 1) % task.num_devices
         return Plan(task.name, self.name, shards)
+
+
+class PileUpSharder:
+    """A deliberately poor plan, the floor of end-to-end comparisons: the heaviest tables
+    (by lookup cost, dim x pooling factor) all onto device 0 while memory allows, what does
+    not fit onto device 1, and so on. Memory-safe like every baseline."""
+
+    def __init__(self, name: str = "pile_up"):
+        self.name = name
+
+    def shard(self, task: Task) -> Plan:
+        cost = COST_KEYS["lookup"]
+        ledger = MemoryLedger(task, pending=(task.table_memory_bytes(t) for t in task.tables))
+        order = list(range(task.num_devices))
+        shards = [
+            Shard.whole(table, ledger.place(table, ledger.need(table), order))
+            for table in sorted(task.tables, key=lambda t: (-cost(t), t.name))
+        ]
+        return Plan(task.name, self.name, shards)
