@@ -1,11 +1,14 @@
 """Hydra entry for the offline stages: data, tasks, cost-data collection, cost-model
-pre-training (and, as it lands, end-to-end DLRM training).
+pre-training, and end-to-end DLRM training under sharding plans.
 
     python train.py stage=synthetic dataset.num_tables=856 dataset.batch_size=65536
     python train.py stage=pool dataset=dlrm_2021 dataset.path=/data/fbgemm_t856_bs65536.pt.gz
     python train.py stage=tasks task=dreamshard out_dir=tasks/dreamshard
     python train.py stage=collect collect=cpu out_dir=costdata/cpu        # resumable; torchrun for ranks
     python train.py stage=pretrain data_dir=costdata/cpu out_dir=checkpoints/cpu_fbgemm
+    torchrun --nproc_per_node 2 train.py stage=dlrm dlrm.plan=neuroshard        # DLRM training under a plan
+    torchrun --nproc_per_node 2 train.py stage=throughput experiment=e2e_embedding_heavy \
+        dlrm.plans=[neuroshard,torchrec,pile_up]                              # samples/s per plan
 
 Every run writes its resolved config (config.yaml) beside its outputs.
 """
@@ -24,7 +27,7 @@ from embshard.errors import InputError
 
 log = logging.getLogger("train")
 ROOT = Path(__file__).resolve().parent
-STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain")
+STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain", "dlrm", "throughput")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -37,6 +40,8 @@ def run(cfg: DictConfig) -> float | None:
 
     if cfg.stage not in STAGES:
         raise InputError(f"unknown stage {cfg.stage!r}; choose from {', '.join(STAGES)}")
+    if cfg.stage in ("dlrm", "throughput"):
+        return run_end_to_end(cfg)
     out_dir = Path(cfg.out_dir) if cfg.out_dir else ROOT / "outputs" / "train" / cfg.stage / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     result = None
     if cfg.stage == "pretrain":
@@ -86,10 +91,28 @@ def collect_cost_data(cfg: DictConfig, dataset: Path, out_dir: Path) -> None:
         log.info("merged: %s", merged)
 
 
-def dataset_path(ds: DictConfig) -> Path:
-    """The dataset file; a synthetic one is generated on first use."""
+def run_end_to_end(cfg: DictConfig) -> float:
+    """stage=dlrm / stage=throughput (dlrm/stages.py); the run writes its own config.yaml."""
+    from hydra.utils import instantiate
+
+    from dlrm.stages import run_dlrm, run_throughput
+
+    kw = dict(
+        dataset_path=lambda generate=True: dataset_path(cfg.dataset, generate),
+        make_sharder=lambda name: instantiate(cfg.searchers[name]),
+        known_planners=list(cfg.searchers),
+        default_root=ROOT / "outputs" / "train" / cfg.stage,
+    )
+    return (run_dlrm if cfg.stage == "dlrm" else run_throughput)(cfg, **kw)
+
+
+def dataset_path(ds: DictConfig, generate: bool = True) -> Path:
+    """The dataset file; a synthetic one is generated on first use (FileNotFoundError
+    instead when `generate` is false)."""
     if ds.kind == "synthetic":
         path = ROOT / ds.path if not Path(ds.path).is_absolute() else Path(ds.path)
+        if not path.is_file() and not generate:
+            raise FileNotFoundError(path)
         if not path.is_file():
             from embshard.data.synthetic import generate_synthetic
 

@@ -1,0 +1,367 @@
+"""Distributed DLRM training under sharding plans: Lightning Fabric around TorchRec's DMP.
+
+Why Fabric and not the Lightning Trainer: TorchRec's DistributedModelParallel does its
+own distribution — it shards the EmbeddingBagCollection by the plan, wraps the dense part
+in DDP itself, and fuses the embedding optimizer into backward — so the Trainer's
+strategies (which wrap the whole LightningModule in DDP or FSDP) would double-wrap it.
+A throughput run also needs several sharded copies of the model alive in one process
+group, stepped in an interleaved order we control, which is a custom loop by nature.
+Fabric gives exactly the parts we want and nothing that fights DMP: it reads the
+torchrun/SLURM environment, starts the process group (gloo on CPU, NCCL on GPUs), picks
+each rank's device, and provides barrier / broadcast / all_gather and rank-zero helpers.
+Metrics go to Lightning's CSVLogger and WandbLogger (offline by default) on rank 0.
+
+Launch: `torchrun --nproc_per_node N train.py stage=dlrm ...` (see train.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from embshard.errors import InputError
+from embshard.plan import Plan
+from embshard.task import Task
+
+from dlrm.model import EBC_PATH, ModelConfig, build_model
+
+log = logging.getLogger("dlrm")
+
+
+# ----------------------------------------------------------------------------- ranks
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the run, from torchrun's environment (1 process without it)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @classmethod
+    def from_env(cls) -> "Ranks":
+        def num(name: str, default: int) -> int:
+            value = os.environ.get(name)
+            if value is None:
+                return default
+            try:
+                return int(value)
+            except ValueError:
+                raise InputError(f"environment variable {name}={value!r} is not an integer") from None
+
+        world = num("WORLD_SIZE", 1)
+        return cls(num("RANK", 0), num("LOCAL_RANK", 0), world, num("LOCAL_WORLD_SIZE", world))
+
+
+def pick_accelerator(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise InputError(f"dlrm.accelerator must be cpu, cuda or auto, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("dlrm.accelerator=cuda but torch sees no GPU")
+    return name
+
+
+# ----------------------------------------------------------------------------- session
+class Session:
+    """Fabric launched for this run: process group, device, shared run dir, rank-0 loggers."""
+
+    def __init__(self, ranks: Ranks, accelerator: str, backend: str | None, timeout_s: float, threads: int | None):
+        from lightning_fabric import Fabric
+        from lightning_fabric.strategies import DDPStrategy
+
+        self.ranks = ranks
+        self.accelerator = accelerator
+        self.backend = backend or ("nccl" if accelerator == "cuda" else "gloo")
+        if accelerator == "cpu":
+            cores = os.cpu_count() or 1
+            torch.set_num_threads(threads or max(1, cores // max(1, ranks.local_world_size)))
+        self.fabric = Fabric(
+            accelerator=accelerator,
+            devices=ranks.local_world_size,
+            num_nodes=max(1, ranks.world_size // ranks.local_world_size),
+            strategy=DDPStrategy(process_group_backend=self.backend, timeout=timedelta(seconds=timeout_s)),
+        )
+        self.fabric.launch()
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.* is deprecated")  # raised inside DMP
+        self.device = self.fabric.device
+        self.loggers: list = []
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.fabric.global_rank == 0
+
+    def shared_dir(self, out_dir: str | None, default_root: Path) -> Path:
+        """The run directory every rank agrees on (rank 0's choice, broadcast)."""
+        mine = str(out_dir) if out_dir else str(default_root / datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+        return Path(self.fabric.broadcast(mine, src=0))
+
+    def check_same(self, what: str, value: str) -> None:
+        """Raise on every rank unless all ranks hold the same `value` (e.g. plan fingerprints)."""
+        values = self.all_gather_object(value)
+        if len(set(values)) != 1:
+            raise InputError(f"ranks disagree on {what}: {values}")
+
+    def all_gather_object(self, obj: Any) -> list:
+        import torch.distributed as dist
+
+        out: list = [None] * self.ranks.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def mean(self, value: float) -> float:
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        return float(self.fabric.all_reduce(t, reduce_op="mean").item())
+
+    def sync(self) -> None:
+        if self.accelerator == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- rank-0 logging
+    def open_loggers(self, out_dir: Path, wandb_cfg: Mapping[str, Any], config: Mapping[str, Any], name: str) -> None:
+        if not self.is_rank_zero:
+            return
+        from pytorch_lightning.loggers import CSVLogger
+
+        self.loggers = [CSVLogger(save_dir=str(out_dir), name="logs", version="")]  # logs/metrics.csv, hparams.yaml
+        if wandb_cfg.get("enabled", True):
+            from pytorch_lightning.loggers import WandbLogger
+
+            os.environ.setdefault("WANDB_MODE", wandb_cfg.get("mode", "offline"))
+            wb = WandbLogger(
+                project=wandb_cfg.get("project", "embshard"),
+                name=name,
+                save_dir=str(out_dir),
+                offline=os.environ["WANDB_MODE"] == "offline",
+                config=dict(config),
+            )
+            self.loggers.append(wb)
+        for lg in self.loggers:
+            lg.log_hyperparams(dict(config))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for lg in self.loggers:
+            lg.log_metrics(dict(metrics), step=step)
+
+    def close(self, status: str = "success") -> None:
+        for lg in self.loggers:
+            lg.finalize(status)
+            if type(lg).__name__ == "WandbLogger":
+                import wandb
+
+                wandb.finish(exit_code=0 if status == "success" else 1, quiet=True)
+        self.loggers = []
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass
+class ShardedDLRM:
+    """One DLRM sharded by one plan, with its dense optimizer (embeddings update in backward)."""
+
+    label: str
+    model: torch.nn.Module
+    dense_optimizer: torch.optim.Optimizer
+
+    def step(self, batch) -> torch.Tensor:
+        """One training step: forward, backward (fused embedding update), dense optimizer."""
+        loss, _ = self.model(batch)
+        loss.backward()
+        self.dense_optimizer.step()
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def embedding_optimizer(name: str, lr: float) -> tuple[type, dict]:
+    """TorchRec optimizer class (fused into FBGEMM's backward) for the task's optimizer."""
+    import torchrec.optim as trec_optim
+
+    classes = {
+        "sgd": trec_optim.SGD,
+        "rowwise_adagrad": trec_optim.RowWiseAdagrad,
+        "adagrad": trec_optim.Adagrad,
+        "adam": trec_optim.Adam,
+    }
+    if name not in classes:
+        raise InputError(f"no fused optimizer for {name!r}; choose from {sorted(classes)}")
+    return classes[name], {"lr": lr}
+
+
+def shard_model(
+    task: Task,
+    plan: Plan,
+    label: str,
+    model_cfg: ModelConfig,
+    session: Session,
+    embedding_lr: float,
+    dense_optimizer: Callable[..., torch.optim.Optimizer],
+    seed: int,
+) -> ShardedDLRM:
+    """Build the task's DLRM (dense weights from `seed`, the same on every rank and for every
+    plan) and wrap it in DistributedModelParallel under `plan`."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from embshard.torchrec_bridge import plan_to_torchrec
+
+    torch.manual_seed(seed)
+    module = build_model(task, model_cfg, dense_device=session.device, ebc_device="meta")
+    opt_cls, opt_kwargs = embedding_optimizer(task.optimizer, embedding_lr)
+    apply_optimizer_in_backward(opt_cls, module.model.sparse_arch.embedding_bag_collection.parameters(), opt_kwargs)
+    sharding_plan = plan_to_torchrec(
+        task, plan, world_size=session.ranks.world_size, device_type=session.device.type,
+        module_path=EBC_PATH, local_world_size=session.ranks.local_world_size,
+    )
+    dmp = DistributedModelParallel(
+        module=module, device=session.device, plan=sharding_plan, sharders=[EmbeddingBagCollectionSharder()],
+    )
+    dense_params = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    return ShardedDLRM(label, dmp, dense_optimizer(params=dense_params))
+
+
+# ----------------------------------------------------------------------------- data
+def make_batches(cfg: Mapping[str, Any], task: Task, local_batch: int, dense_in: int, ranks: Ranks, seed: int):
+    """This rank's batch stream: trace replay (default) or Criteo TSV files."""
+    kind = cfg.get("data", "trace")
+    if kind == "trace":
+        from dlrm.data import TraceReplayBatches
+
+        return TraceReplayBatches(task, local_batch, dense_in, rank=ranks.rank, seed=seed)
+    if kind == "criteo":
+        from dlrm.criteo import CriteoTSVBatches
+
+        files = list(cfg.get("criteo_files") or [])
+        if not files:
+            raise InputError("dlrm.data=criteo needs dlrm.criteo_files=[day_0.tsv, ...]")
+        return CriteoTSVBatches(
+            files, [t.name for t in task.tables], [t.rows for t in task.tables], local_batch,
+            rank=ranks.rank, world_size=ranks.world_size, dense_in_features=dense_in,
+        )
+    raise InputError(f"dlrm.data must be trace or criteo, got {kind!r}")
+
+
+def local_batch_size(task: Task, world_size: int) -> int:
+    if task.batch_size % world_size:
+        raise InputError(
+            f"task {task.name!r}: batch size {task.batch_size} does not split evenly over {world_size} ranks"
+        )
+    return task.batch_size // world_size
+
+
+# ----------------------------------------------------------------------------- loops
+def train(session: Session, sharded: ShardedDLRM, batches, steps: int, log_every: int, global_batch: int,
+          progress: bool = True) -> dict[str, Any]:
+    """Train for `steps` steps; rank 0 logs the rank-averaged loss every `log_every` steps.
+
+    Returns the loss curve (step, mean loss over the window and ranks) and samples/s.
+    """
+    from tqdm import tqdm
+
+    curve: list[tuple[int, float]] = []
+    window: list[float] = []
+    it: Iterator = iter(batches)
+    bar = tqdm(total=steps, desc=f"train [{sharded.label}]", disable=not (progress and session.is_rank_zero))
+    start = time.perf_counter()
+    window_start, window_steps = start, 0
+    for step in range(1, steps + 1):
+        try:
+            batch = next(it)
+        except StopIteration:
+            raise InputError(f"the data ran out after {step - 1} of {steps} steps") from None
+        batch = batch.to(session.device, non_blocking=True)
+        window.append(float(sharded.step(batch)))
+        window_steps += 1
+        bar.update(1)
+        if step % log_every == 0 or step == steps:
+            session.sync()
+            now = time.perf_counter()
+            loss = session.mean(sum(window) / len(window))
+            rate = global_batch * window_steps / (now - window_start)
+            curve.append((step, loss))
+            session.log({"train/loss": loss, "train/samples_per_s": rate}, step=step)
+            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
+            window, window_start, window_steps = [], now, 0
+    bar.close()
+    elapsed = time.perf_counter() - start
+    return {"loss_curve": curve, "steps": steps, "seconds": elapsed, "samples_per_s": global_batch * steps / elapsed}
+
+
+def interleaved_throughput(
+    session: Session,
+    models: Mapping[str, ShardedDLRM],
+    batches: list,
+    warmup_steps: int,
+    rounds: int,
+    steps_per_round: int,
+    progress: bool = True,
+) -> tuple[list[dict], dict[str, list[float]]]:
+    """Time every model in `rounds` rounds of `steps_per_round` steps after warm-up.
+
+    The order rotates each round (round r starts at plan r mod P), so no plan always runs
+    first or after the same neighbour. Every rank times each of its steps (synchronised
+    on GPUs); ranks meet at a barrier before each plan's block, and the step times are
+    gathered after it, outside the timed region. All models see the same cached batches.
+
+    Returns:
+        records [{"round", "plan", "rank_step_seconds": [[s per step] per rank]}] and the
+        rank-averaged loss of each timed block per plan.
+    """
+    from tqdm import tqdm
+
+    labels = list(models)
+    cursor = {label: 0 for label in labels}
+
+    def next_batch(label: str):
+        b = batches[cursor[label] % len(batches)]
+        cursor[label] += 1
+        return b
+
+    for label in labels:
+        for _ in range(warmup_steps):
+            models[label].step(next_batch(label))
+    session.sync()
+
+    records, losses = [], {label: [] for label in labels}
+    total = rounds * len(labels)
+    bar = tqdm(total=total, desc="throughput rounds", disable=not (progress and session.is_rank_zero))
+    for r in range(rounds):
+        order = labels[r % len(labels):] + labels[: r % len(labels)]
+        for label in order:
+            session.fabric.barrier()
+            times, block_loss = [], 0.0
+            for _ in range(steps_per_round):
+                batch = next_batch(label)
+                t0 = time.perf_counter()
+                loss = models[label].step(batch)
+                session.sync()
+                times.append(time.perf_counter() - t0)
+                block_loss += float(loss)
+            gathered = session.all_gather_object(times)
+            records.append({"round": r, "plan": label, "rank_step_seconds": gathered})
+            losses[label].append(session.mean(block_loss / steps_per_round))
+            bar.update(1)
+    bar.close()
+    return records, losses
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float | None:
+    """Kendall's tau-a between two equally long score lists (None for fewer than 2)."""
+    n = len(a)
+    if n < 2:
+        return None
+    s = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            s += int(math.copysign(1, a[i] - a[j]) * math.copysign(1, b[i] - b[j])) if a[i] != a[j] and b[i] != b[j] else 0
+    return s / (n * (n - 1) / 2)
