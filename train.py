@@ -6,6 +6,7 @@ pre-training, and end-to-end DLRM training under sharding plans.
     python train.py stage=tasks task=dreamshard out_dir=tasks/dreamshard
     python train.py stage=collect collect=cpu out_dir=costdata/cpu        # resumable; torchrun for ranks
     python train.py stage=pretrain data_dir=costdata/cpu out_dir=checkpoints/cpu_fbgemm
+    python train.py stage=dlrm_task experiment=e2e_embedding_heavy out_dir=DIR  # the end-to-end task JSON
     torchrun --nproc_per_node 2 train.py stage=dlrm dlrm.plan=neuroshard        # DLRM training under a plan
     torchrun --nproc_per_node 2 train.py stage=throughput experiment=e2e_embedding_heavy \
         dlrm.plans=[neuroshard,torchrec,pile_up]                              # samples/s per plan
@@ -27,7 +28,7 @@ from embshard.errors import InputError
 
 log = logging.getLogger("train")
 ROOT = Path(__file__).resolve().parent
-STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain", "dlrm", "throughput")
+STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain", "dlrm_task", "dlrm", "throughput")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -42,6 +43,15 @@ def run(cfg: DictConfig) -> float | None:
         raise InputError(f"unknown stage {cfg.stage!r}; choose from {', '.join(STAGES)}")
     if cfg.stage in ("dlrm", "throughput"):
         return run_end_to_end(cfg)
+    if cfg.stage == "dlrm_task":  # the end-to-end task alone, e.g. to plan it with shard.py first
+        from dlrm.stages import load_task
+
+        out = Path(cfg.out_dir) if cfg.out_dir else ROOT / "outputs" / "train" / "dlrm_task"
+        task = load_task(cfg.dlrm, lambda generate=True: dataset_path(cfg.dataset, generate), cfg.seed, local_rank=0)
+        task.save(out / "task.json")
+        write_text_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        print(f"task {task.name}: {len(task.tables)} tables, {task.num_devices} devices -> {out / 'task.json'}")
+        return None
     out_dir = Path(cfg.out_dir) if cfg.out_dir else ROOT / "outputs" / "train" / cfg.stage / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     result = None
     if cfg.stage == "pretrain":

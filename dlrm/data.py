@@ -181,4 +181,6 @@ class Prefetcher:
         self._stop.set()
 
     def __del__(self) -> None:
-        self._stop.set()
+        stop = getattr(self, "_stop", None)  # absent when __init__ raised
+        if stop is not None:
+            stop.set()

@@ -51,13 +51,7 @@ def resolve_plans(
 
     if not specs:
         raise InputError("no plans given: set dlrm.plans=[<plan.json or planner name>, ...]")
-    if world_size != task.num_devices:
-        raise PlanError(
-            f"task {task.name!r} is planned for {task.num_devices} devices but the run has "
-            f"{world_size} process(es); start torchrun with --nproc_per_node {task.num_devices} "
-            "(or set num_devices in the task)"
-        )
-    plans: dict[str, Plan] = {}
+    loaded: list[tuple[str, str, Plan | str]] = []  # planners run after the cheap checks
     for spec in specs:
         spec = str(spec)
         if _is_file_spec(spec):
@@ -71,8 +65,18 @@ def resolve_plans(
                 raise InputError(
                     f"unknown planner {spec!r}: give a plan JSON path or one of {', '.join(known_planners)}"
                 )
-            plan = make_sharder(spec).shard(task)
-            label, where = spec, f"planner {spec}"
+            plan, label, where = spec, spec, f"planner {spec}"
+        loaded.append((label, where, plan))
+    if world_size != task.num_devices:
+        raise PlanError(
+            f"task {task.name!r} is planned for {task.num_devices} devices but the run has "
+            f"{world_size} process(es); start torchrun with --nproc_per_node {task.num_devices} "
+            "(or set num_devices in the task)"
+        )
+    plans: dict[str, Plan] = {}
+    for label, where, plan in loaded:
+        if isinstance(plan, str):
+            plan = make_sharder(plan).shard(task)
         try:
             # validates (coverage, alignment, memory), then tries the export TorchRec will run
             plan_to_torchrec(task, plan, world_size=world_size, device_type=device_type,

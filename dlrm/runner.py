@@ -93,7 +93,9 @@ class Session:
             strategy=DDPStrategy(process_group_backend=self.backend, timeout=timedelta(seconds=timeout_s)),
         )
         self.fabric.launch()
-        warnings.filterwarnings("ignore", message=".*broadcast_buffers.* is deprecated")  # raised inside DMP
+        # deprecation notices raised inside TorchRec's DMP on every rank, not actionable here
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.* is deprecated")
+        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")
         self.device = self.fabric.device
         self.loggers: list = []
 
@@ -138,6 +140,7 @@ class Session:
             from pytorch_lightning.loggers import WandbLogger
 
             os.environ.setdefault("WANDB_MODE", wandb_cfg.get("mode", "offline"))
+            os.environ.setdefault("WANDB_SILENT", "true")
             wb = WandbLogger(
                 project=wandb_cfg.get("project", "embshard"),
                 name=name,
@@ -159,7 +162,7 @@ class Session:
             if type(lg).__name__ == "WandbLogger":
                 import wandb
 
-                wandb.finish(exit_code=0 if status == "success" else 1, quiet=True)
+                wandb.finish(exit_code=0 if status == "success" else 1)
         self.loggers = []
 
 

@@ -42,11 +42,12 @@ def load_task(d: DictConfig, dataset_path: Callable[[], Path], seed: int, local_
 
     data = _dataset_once(dataset_path, local_rank)
     spec = d.task
-    pool = [e for e in load_pool(data) if e["pooling_factor"] >= spec.min_pooling_factor]
+    max_rows = spec.max_rows or float("inf")
+    pool = [e for e in load_pool(data) if e["pooling_factor"] >= spec.min_pooling_factor and e["rows"] <= max_rows]
     if len(pool) < spec.num_tables:
         raise InputError(
-            f"the dataset has {len(pool)} tables with pooling factor >= {spec.min_pooling_factor}; "
-            f"dlrm.task.num_tables={spec.num_tables}"
+            f"the dataset has {len(pool)} tables with pooling factor >= {spec.min_pooling_factor} and "
+            f"rows <= {spec.max_rows}; dlrm.task.num_tables={spec.num_tables}"
         )
     (task,) = neuroshard_tasks(
         pool, 1, min_tables=spec.num_tables, max_tables=spec.num_tables, dims=list(spec.dims),
@@ -73,12 +74,13 @@ def _dataset_once(dataset_path: Callable[[], Path], local_rank: int, timeout_s: 
 
 # ----------------------------------------------------------------------------- shared set-up
 class Run:
-    """What both stages set up: task, model config, plans (checked), then the session."""
+    """What both stages set up: task, model config, plans (all checked locally), then
+    `start()`: the session (process group, shared run directory)."""
 
-    def __init__(self, cfg: DictConfig, specs: list[str], dataset_path, make_sharder, known_planners, default_root: Path):
+    def __init__(self, cfg: DictConfig, specs: list[str], dataset_path, make_sharder, known_planners):
         from dlrm.model import ModelConfig
-        from dlrm.plans import fingerprint, resolve_plans
-        from dlrm.runner import Ranks, Session, local_batch_size, pick_accelerator
+        from dlrm.plans import resolve_plans
+        from dlrm.runner import Ranks, local_batch_size, pick_accelerator
 
         d = cfg.dlrm
         self.cfg, self.d = cfg, d
@@ -92,10 +94,18 @@ class Run:
             device_type=accelerator, local_world_size=self.ranks.local_world_size,
         )
         self.dense_optimizer = _dense_optimizer(d.dense_optimizer)
-        # ---- everything above is local and checked; now the process group
-        self.session = Session(self.ranks, accelerator, d.backend, d.timeout_s, d.threads_per_rank)
+        self.accelerator = accelerator
+        self.session = None
+
+    def start(self, default_root: Path) -> None:
+        """Everything before this is local and checked on every rank; now the process group."""
+        from dlrm.plans import fingerprint
+        from dlrm.runner import Session
+
+        d = self.d
+        self.session = Session(self.ranks, self.accelerator, d.backend, d.timeout_s, d.threads_per_rank)
         self.session.check_same("the plans (planners must be deterministic)", fingerprint(self.plans))
-        self.out_dir = self.session.shared_dir(cfg.out_dir, default_root)
+        self.out_dir = self.session.shared_dir(self.cfg.out_dir, default_root)
 
     @property
     def global_batch(self) -> int:
@@ -159,7 +169,9 @@ def run_dlrm(cfg: DictConfig, **kw) -> float:
         raise InputError("stage=dlrm trains under one plan: set dlrm.plan=<plan.json or planner name>")
     if d.steps <= 0 or d.log_every <= 0:
         raise InputError("dlrm.steps and dlrm.log_every must be positive")
+    default_root = kw.pop("default_root")
     run = Run(cfg, [d.plan], **kw)
+    run.start(default_root)
     s = run.session
     try:
         (label,) = run.plans
@@ -185,6 +197,7 @@ def run_dlrm(cfg: DictConfig, **kw) -> float:
             "loss_decreased": last < first,
             "loss_curve": [{"step": st, "loss": v} for st, v in curve],
         }
+        s.log({"final/samples_per_s": result["samples_per_s"], "final/loss": last}, step=d.steps)
         if s.is_rank_zero:
             write_json_atomic(run.out_dir / "summary.json", summary)
             if d.plot:
@@ -211,13 +224,13 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
     for name in ("warmup_steps", "rounds", "steps_per_round", "cached_batches"):
         if d[name] < (0 if name == "warmup_steps" else 1):
             raise InputError(f"dlrm.{name} must be {'>= 0' if name == 'warmup_steps' else 'positive'}, got {d[name]}")
+    default_root = kw.pop("default_root")
     run = Run(cfg, specs, **kw)
-    s = run.session
-    reference = d.reference if d.reference in run.plans else None
-    if d.reference and reference is None:
-        s.close("failed")
+    if d.reference and d.reference not in run.plans:
         raise InputError(f"dlrm.reference={d.reference!r} is not one of the plans {list(run.plans)}")
-    reference = reference or next(iter(run.plans))
+    reference = d.reference or next(iter(run.plans))
+    run.start(default_root)
+    s = run.session
     try:
         run.write_inputs()
         s.open_loggers(run.out_dir, d.wandb, OmegaConf.to_container(cfg, resolve=True), name="throughput")
