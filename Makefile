@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv clean checkpoint neuroshard-eval
+.PHONY: demo test venv clean checkpoint neuroshard-eval e2e
 
 venv: $(STAMP)
 
@@ -50,3 +50,21 @@ neuroshard-eval: $(STAMP)
 	$(PY) train.py stage=tasks task=neuroshard_cpu task.num_devices=8 $(NS_DATA) out_dir=$(NS)/tasks8
 	$(PY) shard.py task_file=$(NS)/tasks4/test algorithms=$(NS_ALGOS) out_dir=$(NS)/runs/4dev
 	$(PY) shard.py task_file=$(NS)/tasks8/test algorithms=$(NS_ALGOS) out_dir=$(NS)/runs/8dev
+
+# End to end on this CPU: the embedding-heavy DLRM task (32 tables, 2 devices), its plans
+# measured by shard.py, then the same DLRM trained under each plan with 2 gloo processes,
+# interleaved (throughput.json/.png), and a 300-step training run under NeuroShard's plan
+# (loss curve). About 10 min here. GPU recipe: README, "End-to-end DLRM training".
+E2E := experiments/e2e
+E2E_PLANS := $(E2E)/shard/plans
+TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node 2
+
+e2e: $(STAMP)
+	$(PY) train.py stage=dlrm_task experiment=e2e_embedding_heavy out_dir=$(E2E)
+	$(PY) shard.py task_file=$(E2E)/task.json algorithms=[neuroshard,torchrec,size_greedy,lookup_greedy,pile_up] \
+		out_dir=$(E2E)/shard
+	$(TORCHRUN) train.py stage=throughput experiment=e2e_embedding_heavy dlrm.task_file=$(E2E)/task.json \
+		dlrm.plans=[$(E2E_PLANS)/neuroshard.json,$(E2E_PLANS)/torchrec.json,$(E2E_PLANS)/size_greedy.json,$(E2E_PLANS)/lookup_greedy.json,$(E2E_PLANS)/pile_up.json] \
+		dlrm.shard_report=$(E2E)/shard/report.json out_dir=$(E2E)/throughput
+	$(TORCHRUN) train.py stage=dlrm experiment=e2e_embedding_heavy dlrm.task_file=$(E2E)/task.json \
+		dlrm.plan=$(E2E_PLANS)/neuroshard.json dlrm.steps=300 out_dir=$(E2E)/train_neuroshard
