@@ -16,6 +16,7 @@ Launch: `torchrun --nproc_per_node N train.py stage=dlrm ...` (see train.py).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -174,13 +175,30 @@ class ShardedDLRM:
     label: str
     model: torch.nn.Module
     dense_optimizer: torch.optim.Optimizer
+    device: torch.device
+    pipeline: Any = None
 
-    def step(self, batch) -> torch.Tensor:
-        """One training step: forward, backward (fused embedding update), dense optimizer."""
+    def use_pipeline(self) -> None:
+        """Step through TorchRec's TrainPipelineSparseDist: the next batch's copy to the
+        device and its input all-to-all overlap the current step (CUDA streams on GPUs)."""
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        self.pipeline = TrainPipelineSparseDist(self.model, self.dense_optimizer, self.device, execute_all_batches=True)
+
+    def step(self, batches: Iterator) -> torch.Tensor:
+        """One training step on the next batch of `batches` (host or device tensors):
+        forward, backward (embedding update fused in), dense optimizer step.
+
+        Raises StopIteration when `batches` is exhausted.
+        """
+        if self.pipeline is not None:
+            loss = self.pipeline.progress(batches)[0]
+            return loss.detach()
+        batch = next(batches).to(self.device, non_blocking=True)
+        self.dense_optimizer.zero_grad(set_to_none=True)
         loss, _ = self.model(batch)
         loss.backward()
         self.dense_optimizer.step()
-        self.dense_optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
 
@@ -208,6 +226,7 @@ def shard_model(
     embedding_lr: float,
     dense_optimizer: Callable[..., torch.optim.Optimizer],
     seed: int,
+    pipeline: str = "none",
 ) -> ShardedDLRM:
     """Build the task's DLRM (dense weights from `seed`, the same on every rank and for every
     plan) and wrap it in DistributedModelParallel under `plan`."""
@@ -230,7 +249,12 @@ def shard_model(
         module=module, device=session.device, plan=sharding_plan, sharders=[EmbeddingBagCollectionSharder()],
     )
     dense_params = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
-    return ShardedDLRM(label, dmp, dense_optimizer(params=dense_params))
+    sharded = ShardedDLRM(label, dmp, dense_optimizer(params=dense_params), session.device)
+    if pipeline == "sparse_dist":
+        sharded.use_pipeline()
+    elif pipeline != "none":
+        raise InputError(f"dlrm.pipeline must be none or sparse_dist, got {pipeline!r}")
+    return sharded
 
 
 # ----------------------------------------------------------------------------- data
@@ -247,11 +271,22 @@ def make_batches(cfg: Mapping[str, Any], task: Task, local_batch: int, dense_in:
         files = list(cfg.get("criteo_files") or [])
         if not files:
             raise InputError("dlrm.data=criteo needs dlrm.criteo_files=[day_0.tsv, ...]")
-        return CriteoTSVBatches(
+        return _epochs(CriteoTSVBatches(
             files, [t.name for t in task.tables], [t.rows for t in task.tables], local_batch,
             rank=ranks.rank, world_size=ranks.world_size, dense_in_features=dense_in,
-        )
+        ))
     raise InputError(f"dlrm.data must be trace or criteo, got {kind!r}")
+
+
+def _epochs(batches) -> Iterator:
+    """Pass over `batches` again and again (training runs are counted in steps, not epochs)."""
+    while True:
+        empty = True
+        for batch in batches:
+            empty = False
+            yield batch
+        if empty:
+            return
 
 
 def local_batch_size(task: Task, world_size: int) -> int:
@@ -279,11 +314,10 @@ def train(session: Session, sharded: ShardedDLRM, batches, steps: int, log_every
     window_start, window_steps = start, 0
     for step in range(1, steps + 1):
         try:
-            batch = next(it)
+            loss = sharded.step(it)
         except StopIteration:
             raise InputError(f"the data ran out after {step - 1} of {steps} steps") from None
-        batch = batch.to(session.device, non_blocking=True)
-        window.append(float(sharded.step(batch)))
+        window.append(float(loss))
         window_steps += 1
         bar.update(1)
         if step % log_every == 0 or step == steps:
@@ -323,16 +357,11 @@ def interleaved_throughput(
     from tqdm import tqdm
 
     labels = list(models)
-    cursor = {label: 0 for label in labels}
-
-    def next_batch(label: str):
-        b = batches[cursor[label] % len(batches)]
-        cursor[label] += 1
-        return b
+    streams = {label: itertools.cycle(batches) for label in labels}  # the same batches, in the same order
 
     for label in labels:
         for _ in range(warmup_steps):
-            models[label].step(next_batch(label))
+            models[label].step(streams[label])
     session.sync()
 
     records, losses = [], {label: [] for label in labels}
@@ -344,9 +373,8 @@ def interleaved_throughput(
             session.fabric.barrier()
             times, block_loss = [], 0.0
             for _ in range(steps_per_round):
-                batch = next_batch(label)
                 t0 = time.perf_counter()
-                loss = models[label].step(batch)
+                loss = models[label].step(streams[label])
                 session.sync()
                 times.append(time.perf_counter() - t0)
                 block_loss += float(loss)

@@ -116,7 +116,7 @@ class Run:
 
         return shard_model(
             self.task, self.plans[label], label, self.model_cfg, self.session,
-            self.d.embedding_lr, self.dense_optimizer, seed=self.cfg.seed,
+            self.d.embedding_lr, self.dense_optimizer, seed=self.cfg.seed, pipeline=self.d.pipeline,
         )
 
     def batches(self):

@@ -243,8 +243,9 @@ def test_train_under_exported_plan_two_processes(tiny_task, tmp_path):
 
 @pytest.mark.slow
 def test_throughput_two_processes(tiny_task, tmp_path):
+    """Two plans interleaved, stepped through TorchRec's TrainPipelineSparseDist."""
     out = tmp_path / "tp"
-    r = _torchrun(["stage=throughput", *TINY, f"dlrm.task_file={tiny_task / 'task.json'}",
+    r = _torchrun(["stage=throughput", *TINY, f"dlrm.task_file={tiny_task / 'task.json'}", "dlrm.pipeline=sparse_dist",
                    f"dlrm.plans=[{tiny_task / 'mixed.json'},pile_up]", "dlrm.reference=pile_up", f"out_dir={out}"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((out / "throughput.json").read_text())
@@ -287,3 +288,22 @@ def test_missing_or_malformed_plan_file_one_line_error(tiny_task, tmp_path, cont
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "plan.json" in lines[0], r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_single_process_run_on_criteo_tsv(tmp_path):
+    """One process (no torchrun): a 1-device task trained on a Criteo TSV, several epochs."""
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "day.tsv", "w") as f:
+        for _ in range(100):
+            dense = [str(int(v)) for v in rng.integers(0, 50, 13)]
+            cats = [f"{int(v):08x}" for v in rng.integers(0, 2**32, 26)]
+            f.write("\t".join([str(int(rng.integers(0, 2))), *dense, *cats]) + "\n")
+    task = small_task(num_devices=1, dims=(8, 16, 8), batch=16, name="one")
+    task.save(tmp_path / "task.json")
+    out = tmp_path / "run"
+    r = _python(["stage=dlrm", *TINY, f"dlrm.task_file={tmp_path / 'task.json'}", "dlrm.plan=size_greedy",
+                 "dlrm.data=criteo", f"dlrm.criteo_files=[{tmp_path / 'day.tsv'}]", "dlrm.steps=15",
+                 "dlrm.wandb.enabled=false", f"out_dir={out}", "progress=false"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["steps"] == 15  # 100 lines / 16 = 6 batches an epoch
