@@ -1,1 +1,1 @@
-"""End-to-end TorchRec DLRM training under a sharding plan (see the README's roadmap)."""
+"""End-to-end TorchRec DLRM training under a sharding plan: model, data, runner, stages (see README)."""

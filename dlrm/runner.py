@@ -202,21 +202,6 @@ class ShardedDLRM:
         return loss.detach()
 
 
-def embedding_optimizer(name: str, lr: float) -> tuple[type, dict]:
-    """TorchRec optimizer class (fused into FBGEMM's backward) for the task's optimizer."""
-    import torchrec.optim as trec_optim
-
-    classes = {
-        "sgd": trec_optim.SGD,
-        "rowwise_adagrad": trec_optim.RowWiseAdagrad,
-        "adagrad": trec_optim.Adagrad,
-        "adam": trec_optim.Adam,
-    }
-    if name not in classes:
-        raise InputError(f"no fused optimizer for {name!r}; choose from {sorted(classes)}")
-    return classes[name], {"lr": lr}
-
-
 def shard_model(
     task: Task,
     plan: Plan,
@@ -235,12 +220,14 @@ def shard_model(
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+    from embshard.search.torchrec_planner import fused_optimizer_class
     from embshard.torchrec_bridge import plan_to_torchrec
 
     torch.manual_seed(seed)
     module = build_model(task, model_cfg, dense_device=session.device, ebc_device="meta")
-    opt_cls, opt_kwargs = embedding_optimizer(task.optimizer, embedding_lr)
-    apply_optimizer_in_backward(opt_cls, module.model.sparse_arch.embedding_bag_collection.parameters(), opt_kwargs)
+    # the task's optimizer (validated by Task), fused into FBGEMM's backward by the sharder
+    ebc_params = module.model.sparse_arch.embedding_bag_collection.parameters()
+    apply_optimizer_in_backward(fused_optimizer_class(task.optimizer), ebc_params, {"lr": embedding_lr})
     sharding_plan = plan_to_torchrec(
         task, plan, world_size=session.ranks.world_size, device_type=session.device.type,
         module_path=EBC_PATH, local_world_size=session.ranks.local_world_size,
@@ -384,15 +371,3 @@ def interleaved_throughput(
             bar.update(1)
     bar.close()
     return records, losses
-
-
-def kendall_tau(a: list[float], b: list[float]) -> float | None:
-    """Kendall's tau-a between two equally long score lists (None for fewer than 2)."""
-    n = len(a)
-    if n < 2:
-        return None
-    s = 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            s += int(math.copysign(1, a[i] - a[j]) * math.copysign(1, b[i] - b[j])) if a[i] != a[j] and b[i] != b[j] else 0
-    return s / (n * (n - 1) / 2)

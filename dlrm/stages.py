@@ -16,6 +16,7 @@ one run directory all ranks agree on.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -216,7 +217,8 @@ def run_dlrm(cfg: DictConfig, **kw) -> float:
 def run_throughput(cfg: DictConfig, **kw) -> float:
     """stage=throughput: interleaved rounds over several plans; returns the best samples/s."""
     from dlrm.data import materialize
-    from dlrm.runner import interleaved_throughput, kendall_tau
+    from dlrm.runner import interleaved_throughput
+    from embshard.costs.pretrain import kendall_tau_b
     from dlrm.stats import format_summary, plot_throughput, summarize_throughput
 
     d = cfg.dlrm
@@ -253,9 +255,8 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
         if costs:
             labels = [label for label in run.plans if label in costs]
             result["embedding_cost_ms"] = costs
-            result["kendall_tau_throughput_vs_cost"] = kendall_tau(
-                [summary["plans"][lb]["samples_per_s"]["mean"] for lb in labels], [-costs[lb] for lb in labels]
-            )
+            tau = kendall_tau_b([summary["plans"][lb]["samples_per_s"]["mean"] for lb in labels], [-costs[lb] for lb in labels])
+            result["kendall_tau_throughput_vs_cost"] = None if math.isnan(tau) else tau
         for i, label in enumerate(summary["order"]):
             p = summary["plans"][label]
             s.log({f"throughput/{label}/samples_per_s": p["samples_per_s"]["mean"],

@@ -17,7 +17,6 @@ import torch
 from dlrm.data import Prefetcher, TraceReplayBatches, materialize
 from dlrm.model import ModelConfig, ProjectedDLRM, build_model
 from dlrm.plans import fingerprint, resolve_plans
-from dlrm.runner import kendall_tau
 from embshard.errors import InputError, PlanError
 from embshard.plan import Plan, Shard
 from embshard.search.baselines import GreedySharder, PileUpSharder
@@ -190,12 +189,6 @@ def test_pile_up_puts_the_heaviest_on_device_zero():
     heaviest = max(task.tables, key=lambda t: t.dim * t.pooling_factor)
     assert [s.device for s in plan.shards if s.table == heaviest.name] == [0]
     assert {s.device for s in plan.shards} == {0, 1}
-
-
-def test_kendall_tau():
-    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
-    assert kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
-    assert kendall_tau([1], [1]) is None
 
 
 # ----------------------------------------------------------------------------- 2 processes

@@ -49,7 +49,8 @@ DEFAULT_SHARDING_TYPES = (
 )
 
 
-def _optimizer_class(name: str):
+def fused_optimizer_class(name: str):
+    """The TorchRec optimizer class of a task's `optimizer` (what training fuses into backward)."""
     import torchrec.optim as trec_optim
 
     return {
@@ -139,7 +140,7 @@ class TorchRecPlanner:
 
         with _quiet(self.quiet):
             ebc = task_to_ebc(task, device="meta")
-            opt = _optimizer_class(task.optimizer)
+            opt = fused_optimizer_class(task.optimizer)
             for p in ebc.parameters():
                 p._optimizer_classes = [opt]  # what apply_optimizer_in_backward records
             caps = {"hbm_cap": hbm_cap} if self.compute_device == "cuda" else {"ddr_cap": hbm_cap}
