@@ -328,6 +328,7 @@ def interleaved_throughput(
     warmup_steps: int,
     rounds: int,
     steps_per_round: int,
+    global_batch: int,
     progress: bool = True,
 ) -> tuple[list[dict], dict[str, list[float]]]:
     """Time every model in `rounds` rounds of `steps_per_round` steps after warm-up.
@@ -368,6 +369,9 @@ def interleaved_throughput(
             gathered = session.all_gather_object(times)
             records.append({"round": r, "plan": label, "rank_step_seconds": gathered})
             losses[label].append(session.mean(block_loss / steps_per_round))
+            block_rate = global_batch * steps_per_round / max(sum(ts) for ts in gathered)
+            session.log({f"throughput/{label}/samples_per_s": block_rate, f"throughput/{label}/loss": losses[label][-1]},
+                        step=len(records))
             bar.update(1)
     bar.close()
     return records, losses

@@ -239,7 +239,8 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
         models = {label: run.shard(label) for label in run.plans}
         batches = [b.to(s.device) for b in materialize(run.batches(), d.cached_batches)]
         records, losses = interleaved_throughput(
-            s, models, batches, d.warmup_steps, d.rounds, d.steps_per_round, progress=cfg.get("progress", True),
+            s, models, batches, d.warmup_steps, d.rounds, d.steps_per_round, run.global_batch,
+            progress=cfg.get("progress", True),
         )
         summary = summarize_throughput(records, reference, run.global_batch, confidence=d.confidence)
         costs = _shard_report_costs(d.get("shard_report"), run)
@@ -257,10 +258,8 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
             result["embedding_cost_ms"] = costs
             tau = kendall_tau_b([summary["plans"][lb]["samples_per_s"]["mean"] for lb in labels], [-costs[lb] for lb in labels])
             result["kendall_tau_throughput_vs_cost"] = None if math.isnan(tau) else tau
-        for i, label in enumerate(summary["order"]):
-            p = summary["plans"][label]
-            s.log({f"throughput/{label}/samples_per_s": p["samples_per_s"]["mean"],
-                   f"throughput/{label}/ratio": p["ratio_to_reference"]["mean"]}, step=i)
+        s.log({f"summary/{label}/{key}": p[key]["mean"] for label, p in summary["plans"].items()
+               for key in ("samples_per_s", "ratio_to_reference")}, step=len(records) + 1)
         if s.is_rank_zero:
             write_json_atomic(run.out_dir / "throughput.json", result)
             if d.plot:

@@ -300,3 +300,67 @@ def test_single_process_run_on_criteo_tsv(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["steps"] == 15  # 100 lines / 16 = 6 batches an epoch
+
+
+class _OneRank:
+    """Stand-in for the Fabric session of a single rank (only the interleaving logic is under test)."""
+
+    class _Fabric:
+        def barrier(self):
+            pass
+
+    fabric, is_rank_zero = _Fabric(), True
+
+    def __init__(self):
+        self.logged = []
+
+    def sync(self):
+        pass
+
+    def all_gather_object(self, obj):
+        return [obj]
+
+    def mean(self, value):
+        return value
+
+    def log(self, metrics, step):
+        self.logged.append((step, dict(metrics)))
+
+
+class _Recorder:
+    def __init__(self, label, calls):
+        self.label, self.calls = label, calls
+
+    def step(self, batches):
+        self.calls.append((self.label, next(batches)))
+        return torch.tensor(0.5)
+
+
+def test_interleaving_rotates_order_and_feeds_every_plan_the_same_batches():
+    from dlrm.runner import interleaved_throughput
+
+    calls, session = [], _OneRank()
+    models = {name: _Recorder(name, calls) for name in "abc"}
+    records, losses = interleaved_throughput(session, models, ["x", "y"], warmup_steps=1, rounds=3,
+                                             steps_per_round=2, global_batch=8, progress=False)
+    assert [rec["plan"] for rec in records] == list("abc" "bca" "cab")  # each plan leads one round
+    for name in "abc":
+        assert [b for who, b in calls if who == name] == ["x", "y"] * 3 + ["x"]  # warm-up + 3 rounds x 2
+    assert all(len(rec["rank_step_seconds"]) == 1 and len(rec["rank_step_seconds"][0]) == 2 for rec in records)
+    assert losses == {name: [0.5] * 3 for name in "abc"}
+    assert len(session.logged) == 9 and "throughput/a/samples_per_s" in session.logged[0][1]
+
+
+def test_dlrm_task_stage_filters_the_pool(tmp_path):
+    data = tmp_path / "syn.pt"
+    common = ["experiment=e2e_tiny", f"dataset.path={data}", "dataset.num_tables=24", "dataset.batch_size=256"]
+    r = _python(["stage=dlrm_task", *common, "dlrm.task.num_tables=5", "dlrm.task.min_pooling_factor=2",
+                 "dlrm.task.max_rows=100000", f"out_dir={tmp_path / 'out'}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    task = Task.load(tmp_path / "out" / "task.json")
+    assert len(task.tables) == 5 and task.num_devices == 2 and task.batch_size == 64
+    assert all(t.pooling_factor >= 2 and t.rows <= 100000 and t.trace is not None for t in task.tables)
+    r = _python(["stage=dlrm_task", *common, "dlrm.task.num_tables=5", "dlrm.task.min_pooling_factor=1000",
+                 f"out_dir={tmp_path / 'none'}"], tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: the dataset has 0 tables with pooling factor >= 1000")
+    assert not (tmp_path / "none").exists()
