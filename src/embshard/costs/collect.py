@@ -434,15 +434,21 @@ def _ensure_profile(out_dir: Path, profile: dict[str, Any]) -> None:
     write_json_atomic(path, profile)
 
 
-def read_profile(out_dir: str | os.PathLike) -> dict[str, Any]:
+def read_profile(out_dir: str | os.PathLike, require_hardware: bool = True) -> dict[str, Any]:
+    """The profile.json of a cost-data folder (the one reader, for collection and pre-training).
+
+    Args:
+        require_hardware: also require the collector's "hardware" block; pre-training
+            accepts any JSON object (hand-made profiles of test data have none).
+    """
     path = Path(out_dir) / PROFILE
     if not path.is_file():
-        raise InputError(f"{path}: no cost-data profile (not a collection folder?)")
+        raise InputError(f"{path}: no cost-data profile (not a collection folder? the collector writes it beside the data)")
     try:
         prof = json.loads(path.read_text())
-    except ValueError as e:
+    except (ValueError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(prof, dict) or "hardware" not in prof:
+    if not isinstance(prof, dict) or (require_hardware and "hardware" not in prof):
         raise InputError(f"{path}: not a cost-data profile")
     return prof
 

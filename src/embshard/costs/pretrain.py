@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from embshard.costs import neural as N
+from embshard.costs.collect import read_profile
 from embshard.errors import InputError
 from embshard.io import atomic_path, write_json_atomic, write_text_atomic
 
@@ -295,19 +296,6 @@ def resolve_config(cfg: Any) -> dict[str, Any]:
     return out
 
 
-def read_profile(data_dir: Path) -> dict[str, Any]:
-    path = data_dir / "profile.json"
-    if not path.is_file():
-        raise InputError(f"hardware profile {path} not found (the collector writes it beside the data)")
-    try:
-        prof = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(prof, dict):
-        raise InputError(f"{path}: the hardware profile must be a JSON object")
-    return prof
-
-
 def pretrain(cfg: Any, data_dir: str | os.PathLike, out_dir: str | os.PathLike) -> float:
     """Train the compute and both comm models, evaluate them held out, write the checkpoint.
 
@@ -328,7 +316,7 @@ def pretrain(cfg: Any, data_dir: str | os.PathLike, out_dir: str | os.PathLike) 
 
 def _pretrain(c: dict[str, Any], data_dir: Path, out_dir: Path) -> float:
     out_dir.mkdir(parents=True, exist_ok=True)
-    profile = read_profile(data_dir)
+    profile = read_profile(data_dir, require_hardware=False)
     compute_samples = N.load_compute_samples(data_dir / "compute.jsonl")
     comm_samples = N.load_comm_samples(data_dir / "comm.jsonl")
     batch = N.most_common_batch(s.batch_size for s in compute_samples)
