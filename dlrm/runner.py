@@ -168,6 +168,37 @@ class Session:
 
 
 # ----------------------------------------------------------------------------- model
+class LookupTimer:
+    """Wall time this rank spends in its embedding lookups' forward (FBGEMM's fused kernel
+    over the local shards), summed until `take()`. Per-rank step times are all alike, since
+    ranks meet in the all-to-all every step; this shows which rank does the work. CPU only
+    (kernels run synchronously there); on GPUs `take()` returns None.
+    """
+
+    def __init__(self, dmp: torch.nn.Module, enabled: bool) -> None:
+        self.enabled = enabled
+        self.total = 0.0
+        self._start = 0.0
+        if not enabled:
+            return
+        ebc = dmp.module.model.sparse_arch.embedding_bag_collection
+        for lookup in getattr(ebc, "_lookups", []):
+            lookup.register_forward_pre_hook(self._pre)
+            lookup.register_forward_hook(self._post)
+
+    def _pre(self, module, args) -> None:
+        self._start = time.perf_counter()
+
+    def _post(self, module, args, output) -> None:
+        self.total += time.perf_counter() - self._start
+
+    def take(self) -> float | None:
+        if not self.enabled:
+            return None
+        total, self.total = self.total, 0.0
+        return total
+
+
 @dataclass
 class ShardedDLRM:
     """One DLRM sharded by one plan, with its dense optimizer (embeddings update in backward)."""
@@ -177,6 +208,7 @@ class ShardedDLRM:
     dense_optimizer: torch.optim.Optimizer
     device: torch.device
     pipeline: Any = None
+    lookup_timer: LookupTimer | None = None
 
     def use_pipeline(self) -> None:
         """Step through TorchRec's TrainPipelineSparseDist: the next batch's copy to the
@@ -236,7 +268,8 @@ def shard_model(
         module=module, device=session.device, plan=sharding_plan, sharders=[EmbeddingBagCollectionSharder()],
     )
     dense_params = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
-    sharded = ShardedDLRM(label, dmp, dense_optimizer(params=dense_params), session.device)
+    sharded = ShardedDLRM(label, dmp, dense_optimizer(params=dense_params), session.device,
+                          lookup_timer=LookupTimer(dmp, enabled=session.device.type == "cpu"))
     if pipeline == "sparse_dist":
         sharded.use_pipeline()
     elif pipeline != "none":
@@ -339,7 +372,8 @@ def interleaved_throughput(
     gathered after it, outside the timed region. All models see the same cached batches.
 
     Returns:
-        records [{"round", "plan", "rank_step_seconds": [[s per step] per rank]}] and the
+        records [{"round", "plan", "rank_step_seconds": [[s per step] per rank],
+        "rank_lookup_forward_seconds": [s in the block per rank, or None off CPU]}] and the
         rank-averaged loss of each timed block per plan.
     """
     from tqdm import tqdm
@@ -347,9 +381,14 @@ def interleaved_throughput(
     labels = list(models)
     streams = {label: itertools.cycle(batches) for label in labels}  # the same batches, in the same order
 
+    def lookup_seconds(label: str) -> float | None:
+        timer = getattr(models[label], "lookup_timer", None)
+        return timer.take() if timer is not None else None
+
     for label in labels:
         for _ in range(warmup_steps):
             models[label].step(streams[label])
+        lookup_seconds(label)
     session.sync()
 
     records, losses = [], {label: [] for label in labels}
@@ -366,8 +405,10 @@ def interleaved_throughput(
                 session.sync()
                 times.append(time.perf_counter() - t0)
                 block_loss += float(loss)
-            gathered = session.all_gather_object(times)
-            records.append({"round": r, "plan": label, "rank_step_seconds": gathered})
+            gathered, lookups = zip(*session.all_gather_object((times, lookup_seconds(label))))
+            gathered = list(gathered)
+            records.append({"round": r, "plan": label, "rank_step_seconds": gathered,
+                            "rank_lookup_forward_seconds": list(lookups)})
             losses[label].append(session.mean(block_loss / steps_per_round))
             block_rate = global_batch * steps_per_round / max(sum(ts) for ts in gathered)
             session.log({f"throughput/{label}/samples_per_s": block_rate, f"throughput/{label}/loss": losses[label][-1]},

@@ -243,6 +243,7 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
             progress=cfg.get("progress", True),
         )
         summary = summarize_throughput(records, reference, run.global_batch, confidence=d.confidence)
+        lookup_ms = _lookup_ms_per_step(records, d.steps_per_round)
         costs = _shard_report_costs(d.get("shard_report"), run)
         result = {
             **run.describe(),
@@ -251,6 +252,7 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
             "steps_per_round": d.steps_per_round,
             **summary,
             "loss_per_block": losses,
+            "lookup_forward_ms_per_step": lookup_ms,
             "records": records,
         }
         if costs:
@@ -266,6 +268,10 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
                 plot_throughput(summary, run.out_dir / "throughput.png",
                                 title=f"{run.task.name}: {run.ranks.world_size} x {s.accelerator}, global batch {run.global_batch}")
             print("\n" + format_summary(summary))
+            if lookup_ms:
+                print("embedding lookup forward, ms per step per rank (the work each rank does):")
+                for label in summary["order"]:
+                    print(f"  {label:24s} " + " / ".join(f"{v:.1f}" for v in lookup_ms[label]))
             if costs:
                 print(f"Kendall tau (throughput vs measured embedding cost): {result['kendall_tau_throughput_vs_cost']}")
             print(f"wrote {run.out_dir}")
@@ -274,6 +280,21 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
     except BaseException:
         s.close("failed")
         raise
+
+
+def _lookup_ms_per_step(records: list[dict], steps_per_round: int) -> dict[str, list[float]]:
+    """{plan: [mean ms per step in the embedding lookups' forward, per rank]}; {} off CPU."""
+    sums: dict[str, list[float]] = {}
+    blocks: dict[str, int] = {}
+    for rec in records:
+        per_rank = rec.get("rank_lookup_forward_seconds")
+        if not per_rank or any(v is None for v in per_rank):
+            return {}
+        acc = sums.setdefault(rec["plan"], [0.0] * len(per_rank))
+        for i, v in enumerate(per_rank):
+            acc[i] += v
+        blocks[rec["plan"]] = blocks.get(rec["plan"], 0) + 1
+    return {p: [1000 * v / (blocks[p] * steps_per_round) for v in acc] for p, acc in sums.items()}
 
 
 def _shard_report_costs(path: str | None, run: Run) -> dict[str, float]:

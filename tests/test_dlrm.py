@@ -247,6 +247,9 @@ def test_throughput_two_processes(tiny_task, tmp_path):
     assert len(result["records"]) == 2 * 2 and all(len(rec["rank_step_seconds"]) == 2 for rec in result["records"])
     assert (out / "throughput.png").stat().st_size > 0
     assert "samples/s" in r.stdout
+    # per-rank lookup time (CPU): pile_up puts every table on rank 0, so rank 1 looks up nothing
+    pile = result["lookup_forward_ms_per_step"]["pile_up"]
+    assert len(pile) == 2 and pile[0] > 0 and pile[1] < 0.5 * pile[0]
 
 
 @pytest.mark.slow
