@@ -143,27 +143,21 @@ class Prefetcher:
     def _produce(self, it: Iterator, pin: bool) -> None:
         try:
             for item in it:
-                if pin:
-                    item = item.pin_memory()
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(item.pin_memory() if pin else item):
                     return
-            self._put_final(self._DONE)
+            self._put(self._DONE)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            self._put_final(e)
+            self._put(e)
 
-    def _put_final(self, item) -> None:
+    def _put(self, item) -> bool:
+        """Queue `item`, waiting for room; False when closed meanwhile."""
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     def __iter__(self) -> "Prefetcher":
         return self
