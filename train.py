@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -47,7 +48,7 @@ def run(cfg: DictConfig) -> float | None:
         from dlrm.stages import load_task
 
         out = Path(cfg.out_dir) if cfg.out_dir else ROOT / "outputs" / "train" / "dlrm_task"
-        task = load_task(cfg.dlrm, lambda generate=True: dataset_path(cfg.dataset, generate), cfg.seed, local_rank=0)
+        task = load_task(cfg.dlrm, partial(dataset_path, cfg.dataset), cfg.seed, local_rank=0)
         task.save(out / "task.json")
         write_text_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         print(f"task {task.name}: {len(task.tables)} tables, {task.num_devices} devices -> {out / 'task.json'}")
@@ -108,7 +109,7 @@ def run_end_to_end(cfg: DictConfig) -> float:
     from dlrm.stages import run_dlrm, run_throughput
 
     kw = dict(
-        dataset_path=lambda generate=True: dataset_path(cfg.dataset, generate),
+        dataset_path=partial(dataset_path, cfg.dataset),
         make_sharder=lambda name: instantiate(cfg.searchers[name]),
         known_planners=list(cfg.searchers),
         default_root=ROOT / "outputs" / "train" / cfg.stage,

@@ -14,7 +14,7 @@ so the EmbeddingBagCollection sits at `EBC_PATH`, the module path a sharding pla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 import torch
@@ -66,7 +66,7 @@ class ModelConfig:
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
-        known = {"arch", "dense_in_features", "dense_arch_layer_sizes", "over_arch_layer_sizes", "dcn_num_layers", "dcn_low_rank_dim"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(cfg) - known)
         if unknown:
             raise InputError(f"unknown model option(s) {unknown}; known: {sorted(known)}")

@@ -157,6 +157,12 @@ class Session:
         for lg in self.loggers:
             lg.log_metrics(dict(metrics), step=step)
 
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close("success" if exc_type is None else "failed")
+
     def close(self, status: str = "success") -> None:
         for lg in self.loggers:
             lg.finalize(status)
@@ -171,16 +177,13 @@ class Session:
 class LookupTimer:
     """Wall time this rank spends in its embedding lookups' forward (FBGEMM's fused kernel
     over the local shards), summed until `take()`. Per-rank step times are all alike, since
-    ranks meet in the all-to-all every step; this shows which rank does the work. CPU only
-    (kernels run synchronously there); on GPUs `take()` returns None.
+    ranks meet in the all-to-all every step; this shows which rank does the work. CPU only:
+    kernels run synchronously there (shard_model attaches none on GPUs).
     """
 
-    def __init__(self, dmp: torch.nn.Module, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, dmp: torch.nn.Module) -> None:
         self.total = 0.0
         self._start = 0.0
-        if not enabled:
-            return
         ebc = dmp.module.model.sparse_arch.embedding_bag_collection
         for lookup in getattr(ebc, "_lookups", []):
             lookup.register_forward_pre_hook(self._pre)
@@ -192,9 +195,7 @@ class LookupTimer:
     def _post(self, module, args, output) -> None:
         self.total += time.perf_counter() - self._start
 
-    def take(self) -> float | None:
-        if not self.enabled:
-            return None
+    def take(self) -> float:
         total, self.total = self.total, 0.0
         return total
 
@@ -269,7 +270,7 @@ def shard_model(
     )
     dense_params = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
     sharded = ShardedDLRM(label, dmp, dense_optimizer(params=dense_params), session.device,
-                          lookup_timer=LookupTimer(dmp, enabled=session.device.type == "cpu"))
+                          lookup_timer=LookupTimer(dmp) if session.device.type == "cpu" else None)
     if pipeline == "sparse_dist":
         sharded.use_pipeline()
     elif pipeline != "none":
@@ -382,7 +383,7 @@ def interleaved_throughput(
     streams = {label: itertools.cycle(batches) for label in labels}  # the same batches, in the same order
 
     def lookup_seconds(label: str) -> float | None:
-        timer = getattr(models[label], "lookup_timer", None)
+        timer = models[label].lookup_timer
         return timer.take() if timer is not None else None
 
     for label in labels:

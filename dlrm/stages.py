@@ -78,7 +78,7 @@ class Run:
     """What both stages set up: task, model config, plans (all checked locally), then
     `start()`: the session (process group, shared run directory)."""
 
-    def __init__(self, cfg: DictConfig, specs: list[str], dataset_path, make_sharder, known_planners):
+    def __init__(self, cfg: DictConfig, specs: list[str], dataset_path, make_sharder, known_planners, default_root: Path):
         from dlrm.model import ModelConfig
         from dlrm.plans import resolve_plans
         from dlrm.runner import Ranks, local_batch_size, pick_accelerator
@@ -96,9 +96,10 @@ class Run:
         )
         self.dense_optimizer = _dense_optimizer(d.dense_optimizer)
         self.accelerator = accelerator
+        self.default_root = default_root
         self.session = None
 
-    def start(self, default_root: Path) -> None:
+    def start(self) -> None:
         """Everything before this is local and checked on every rank; now the process group."""
         from dlrm.plans import fingerprint
         from dlrm.runner import Session
@@ -106,7 +107,7 @@ class Run:
         d = self.d
         self.session = Session(self.ranks, self.accelerator, d.backend, d.timeout_s, d.threads_per_rank)
         self.session.check_same("the plans (planners must be deterministic)", fingerprint(self.plans))
-        self.out_dir = self.session.shared_dir(self.cfg.out_dir, default_root)
+        self.out_dir = self.session.shared_dir(self.cfg.out_dir, self.default_root)
 
     @property
     def global_batch(self) -> int:
@@ -170,11 +171,9 @@ def run_dlrm(cfg: DictConfig, **kw) -> float:
         raise InputError("stage=dlrm trains under one plan: set dlrm.plan=<plan.json or planner name>")
     if d.steps <= 0 or d.log_every <= 0:
         raise InputError("dlrm.steps and dlrm.log_every must be positive")
-    default_root = kw.pop("default_root")
     run = Run(cfg, [d.plan], **kw)
-    run.start(default_root)
-    s = run.session
-    try:
+    run.start()
+    with run.session as s:
         (label,) = run.plans
         run.write_inputs()
         s.open_loggers(run.out_dir, d.wandb, OmegaConf.to_container(cfg, resolve=True), name=f"dlrm-{label}")
@@ -207,11 +206,7 @@ def run_dlrm(cfg: DictConfig, **kw) -> float:
                 f"\n{label}: {d.steps} steps, {result['samples_per_s']:,.0f} samples/s, "
                 f"loss {first:.4f} -> {last:.4f}\nwrote {run.out_dir}"
             )
-        s.close()
-        return last
-    except BaseException:
-        s.close("failed")
-        raise
+    return last
 
 
 def run_throughput(cfg: DictConfig, **kw) -> float:
@@ -226,14 +221,13 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
     for name in ("warmup_steps", "rounds", "steps_per_round", "cached_batches"):
         if d[name] < (0 if name == "warmup_steps" else 1):
             raise InputError(f"dlrm.{name} must be {'>= 0' if name == 'warmup_steps' else 'positive'}, got {d[name]}")
-    default_root = kw.pop("default_root")
     run = Run(cfg, specs, **kw)
     if d.reference and d.reference not in run.plans:
         raise InputError(f"dlrm.reference={d.reference!r} is not one of the plans {list(run.plans)}")
     reference = d.reference or next(iter(run.plans))
-    run.start(default_root)
-    s = run.session
-    try:
+    costs = _shard_report_costs(d.get("shard_report"), run)  # read before the process group
+    run.start()
+    with run.session as s:
         run.write_inputs()
         s.open_loggers(run.out_dir, d.wandb, OmegaConf.to_container(cfg, resolve=True), name="throughput")
         models = {label: run.shard(label) for label in run.plans}
@@ -244,7 +238,6 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
         )
         summary = summarize_throughput(records, reference, run.global_batch, confidence=d.confidence)
         lookup_ms = _lookup_ms_per_step(records, d.steps_per_round)
-        costs = _shard_report_costs(d.get("shard_report"), run)
         result = {
             **run.describe(),
             "warmup_steps": d.warmup_steps,
@@ -275,11 +268,7 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
             if costs:
                 print(f"Kendall tau (throughput vs measured embedding cost): {result['kendall_tau_throughput_vs_cost']}")
             print(f"wrote {run.out_dir}")
-        s.close()
-        return summary["plans"][summary["order"][0]]["samples_per_s"]["mean"]
-    except BaseException:
-        s.close("failed")
-        raise
+    return summary["plans"][summary["order"][0]]["samples_per_s"]["mean"]
 
 
 def _lookup_ms_per_step(records: list[dict], steps_per_round: int) -> dict[str, list[float]]:

@@ -238,8 +238,13 @@ def test_train_under_exported_plan_two_processes(tiny_task, tmp_path):
 def test_throughput_two_processes(tiny_task, tmp_path):
     """Two plans interleaved, stepped through TorchRec's TrainPipelineSparseDist."""
     out = tmp_path / "tp"
+    report = {"results": [{"task": "tiny", "algorithm": "hand", "measured_cost_ms": 5.0},
+                          {"task": "tiny", "algorithm": "pile_up", "measured_cost_ms": 9.0},
+                          {"task": "other", "algorithm": "hand", "measured_cost_ms": 1.0}]}
+    (tmp_path / "report.json").write_text(json.dumps(report))
     r = _torchrun(["stage=throughput", *TINY, f"dlrm.task_file={tiny_task / 'task.json'}", "dlrm.pipeline=sparse_dist",
-                   f"dlrm.plans=[{tiny_task / 'mixed.json'},pile_up]", "dlrm.reference=pile_up", f"out_dir={out}"], tmp_path)
+                   f"dlrm.plans=[{tiny_task / 'mixed.json'},pile_up]", "dlrm.reference=pile_up",
+                   f"dlrm.shard_report={tmp_path / 'report.json'}", f"out_dir={out}"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((out / "throughput.json").read_text())
     assert set(result["plans"]) == {"mixed", "pile_up"} and result["reference"] == "pile_up"
@@ -247,6 +252,9 @@ def test_throughput_two_processes(tiny_task, tmp_path):
     assert len(result["records"]) == 2 * 2 and all(len(rec["rank_step_seconds"]) == 2 for rec in result["records"])
     assert (out / "throughput.png").stat().st_size > 0
     assert "samples/s" in r.stdout
+    # shard.py's measured costs matched to the plans by task and algorithm
+    assert result["embedding_cost_ms"] == {"mixed": 5.0, "pile_up": 9.0}
+    assert result["kendall_tau_throughput_vs_cost"] in (-1.0, 1.0)
     # per-rank lookup time (CPU): pile_up puts every table on rank 0, so rank 1 looks up nothing
     pile = result["lookup_forward_ms_per_step"]["pile_up"]
     assert len(pile) == 2 and pile[0] > 0 and pile[1] < 0.5 * pile[0]
@@ -331,6 +339,8 @@ class _OneRank:
 
 
 class _Recorder:
+    lookup_timer = None
+
     def __init__(self, label, calls):
         self.label, self.calls = label, calls
 
