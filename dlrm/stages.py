@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from embshard.errors import InputError
-from embshard.io import write_json_atomic, write_text_atomic
+from embshard.io import save_png, write_json_atomic, write_text_atomic
 from embshard.task import Task
 
 log = logging.getLogger("dlrm")
@@ -307,8 +307,6 @@ def _plot_loss(curve, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from embshard.io import atomic_path
-
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([s for s, _ in curve], [v for _, v in curve], marker="o", ms=3)
     ax.set_xlabel("step")
@@ -316,6 +314,4 @@ def _plot_loss(curve, path: Path, title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    save_png(fig, path)

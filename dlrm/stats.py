@@ -26,7 +26,7 @@ import statistics
 from typing import Any, Sequence
 
 from embshard.errors import InputError
-from embshard.io import atomic_path
+from embshard.io import save_png
 
 __all__ = ["summarize_throughput", "format_summary", "plot_throughput", "t_quantile"]
 
@@ -349,8 +349,4 @@ def plot_throughput(summary: dict, path: str | os.PathLike, title: str | None = 
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, format="png", dpi=120)
-    finally:
-        plt.close(fig)
+    save_png(fig, path)

@@ -43,3 +43,14 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def save_png(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
+    """Write a matplotlib figure as a PNG atomically (temporary file, then rename), then close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)

@@ -8,7 +8,7 @@ from statistics import mean
 from typing import Any, Sequence
 
 from embshard.compare import Result
-from embshard.io import atomic_path
+from embshard.io import save_png
 
 
 def summarize(results: Sequence[Result], metric: str = "measured_cost_ms") -> list[dict[str, Any]]:
@@ -110,7 +110,5 @@ def plot_costs(results: Sequence[Result], path: str | os.PathLike, metric: str =
     ax_ratio.set_ylabel("cost / best algorithm's cost on the task")
     ax_ratio.set_title("Relative to the best plan per task", fontsize=10)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
     return True
