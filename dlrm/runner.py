@@ -50,17 +50,10 @@ class Ranks:
 
     @classmethod
     def from_env(cls) -> "Ranks":
-        def num(name: str, default: int) -> int:
-            value = os.environ.get(name)
-            if value is None:
-                return default
-            try:
-                return int(value)
-            except ValueError:
-                raise InputError(f"environment variable {name}={value!r} is not an integer") from None
+        from embshard.costs.collect import env_int, rank_info  # the one reader of torchrun's environment
 
-        world = num("WORLD_SIZE", 1)
-        return cls(num("RANK", 0), num("LOCAL_RANK", 0), world, num("LOCAL_WORLD_SIZE", world))
+        rank, world, local_rank = rank_info()
+        return cls(rank, local_rank, world, env_int("LOCAL_WORLD_SIZE", world))
 
 
 def pick_accelerator(name: str) -> str:

@@ -544,20 +544,22 @@ def load_samples(path: str | os.PathLike, kind: str | None = None) -> list[dict[
 
 
 # ----------------------------------------------------------------------------- ranks
+def env_int(name: str, default: int) -> int:
+    """An integer from the environment (torchrun's RANK, WORLD_SIZE, ...), `default` if unset."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise InputError(f"environment variable {name}={v!r} is not an integer") from None
+
+
 def rank_info(rank: int | None = None, world_size: int | None = None) -> tuple[int, int, int]:
     """(rank, world size, local rank): arguments, else torchrun's environment, else (0, 1, 0)."""
-    def env(name: str, default: int) -> int:
-        v = os.environ.get(name)
-        if v is None or v == "":
-            return default
-        try:
-            return int(v)
-        except ValueError:
-            raise InputError(f"environment variable {name}={v!r} is not an integer") from None
-
-    r = env("RANK", 0) if rank is None else int(rank)
-    w = env("WORLD_SIZE", 1) if world_size is None else int(world_size)
-    lr = env("LOCAL_RANK", r)
+    r = env_int("RANK", 0) if rank is None else int(rank)
+    w = env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
+    lr = env_int("LOCAL_RANK", r)
     if w < 1 or not 0 <= r < w:
         raise InputError(f"rank {r} is not in a world of size {w}")
     return r, w, lr
