@@ -48,8 +48,8 @@ from typing import IO, Iterator, Sequence
 import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from dlrm.data import make_batch
 from embshard.errors import InputError
 
 __all__ = ["CriteoTSVBatches", "NUM_DENSE", "NUM_SPARSE", "NUM_FIELDS"]
@@ -273,15 +273,9 @@ class CriteoTSVBatches:
             raise
         dense_t = torch.from_numpy(raw).view(b, nd).clamp_(min=0).log1p_().to(torch.float32)
         assert len(lengths) == k * b
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=self.table_names,
-            values=torch.from_numpy(np.array(values, dtype=np.int64)),
-            lengths=torch.from_numpy(np.array(lengths, dtype=np.int32)),
-        )
-        return Batch(
-            dense_features=dense_t,
-            sparse_features=kjt,
-            labels=torch.from_numpy(np.array(labs, dtype=np.int32)),
+        return make_batch(
+            dense_t.numpy(), list(self.table_names), [np.array(lengths, dtype=np.int32)],
+            [np.array(values, dtype=np.int64)], np.array(labs, dtype=np.int32),
         )
 
     def _raise_first_error(

@@ -36,7 +36,9 @@ ROW_EFFECT = 1.0
 _HASH = np.uint64(2654435761)
 
 
-def _make_batch(dense: np.ndarray, keys: list[str], lengths: list[np.ndarray], values: list[np.ndarray], labels: np.ndarray):
+def make_batch(dense: np.ndarray, keys: list[str], lengths: list[np.ndarray], values: list[np.ndarray], labels: np.ndarray):
+    """A TorchRec `Batch` from numpy arrays; `lengths`/`values` hold one array per key, in
+    key order (the KJT's key-major layout)."""
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -109,7 +111,7 @@ class TraceReplayBatches:
                     row_effect += per_sample / np.maximum(lens, 1)
             logit = logit + ROW_EFFECT * row_effect / math.sqrt(len(self.task.tables))
             labels = (rng.random(b) < 1.0 / (1.0 + np.exp(-2.0 * logit))).astype(np.float32)
-            yield _make_batch(dense, keys, lengths, values, labels)
+            yield make_batch(dense, keys, lengths, values, labels)
             produced += 1
 
 
