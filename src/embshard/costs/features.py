@@ -1,52 +1,165 @@
-"""The per-table feature vector every learned cost model sees (one place defines it).
+"""The per-table features every learned cost model sees (one place defines them).
 
-Raw, un-normalised features of one shard of a table (rows and dim are the shard's); models
-z-score them with statistics saved in their checkpoints.
+A table's cost in a training step depends on the batch: lookups, bags, pooled output and the
+rows touched all grow with it. So features are a function of (table, batch size). They are
+raw (un-normalised); models z-score what they need with statistics saved in their checkpoints.
+
+Two groups of columns:
+
+* **intensive** (`INTENSIVE_NAMES`): what one lookup of the table is like: sizes (log rows,
+  dim, log weight bytes), pooling factor, batch, reuse (the 17-bin reuse histogram, the mean
+  reuse of a touched row, the share of rows touched). A model maps them to *rates*.
+* **extensive** (`EXTENSIVE_NAMES`): amounts of work that add up over the tables of a shard
+  and grow with the batch: lookups, bytes those lookups read, bags, pooled output bytes, rows
+  touched (and their bytes), weight bytes, and a count of 1 per piece. Units keep typical
+  values near 1..100.
+
+**No invented features.** A table without a reuse histogram gets the one the calibrated
+synthetic model expects for its rows and pooling factor at the task's batch
+(`imputed_histogram`), which is also the distribution the measured evaluator draws its
+indices from (`embshard.data.indices`), so prediction and measurement see the same table.
+`planning_view(task)` gives the task with every histogram filled in this way and the names of
+the tables that were imputed (the report flags them).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
 
 from embshard.tables import NUM_REUSE_BINS, Table
 
-FEATURE_NAMES: tuple[str, ...] = (
+#: Representative access count of a row in each reuse bin: the mean of the integers in
+#: (0,1], (1,2], (2,4], ..., (16384,32768], and 65536 for the open last bin.
+_BIN_COUNT = np.array(
+    [1.0, 2.0] + [((2 ** (k - 1) + 1) + 2**k) / 2.0 for k in range(2, 16)] + [65536.0], dtype=np.float64
+)
+
+INTENSIVE_NAMES: tuple[str, ...] = (
     "log_rows",
-    "dim",
-    "pooling_factor",
-    "log_pooling_factor",
+    "log2_dim",
     "log_size_bytes",
-    "log_lookup_bytes",
+    "log1p_pooling_factor",
+    "log2_batch",
+    "log1p_lookups",
+    "log_mean_reuse",
+    "touched_row_share",
+    "bytes_per_element",
     *(f"reuse_bin_{k}" for k in range(NUM_REUSE_BINS)),
 )
+EXTENSIVE_NAMES: tuple[str, ...] = (
+    "lookups_1e4",       # pooling factor x batch / 1e4
+    "lookup_mb",         # bytes those lookups read: x dim x bytes per element / 1e6
+    "bags_1e4",          # batch / 1e4 (one bag per sample per piece)
+    "output_mb",         # pooled output (and its gradient) bytes: batch x dim x 4 / 1e6
+    "touched_rows_1e4",  # expected distinct rows touched per step / 1e4
+    "touched_mb",        # their bytes (what the fused update writes) / 1e6
+    "weight_mb",         # the piece's weight bytes / 1e6
+    "pieces",            # 1 per piece
+)
+FEATURE_NAMES: tuple[str, ...] = INTENSIVE_NAMES + EXTENSIVE_NAMES
+NUM_INTENSIVE = len(INTENSIVE_NAMES)
+NUM_EXTENSIVE = len(EXTENSIVE_NAMES)
 NUM_FEATURES = len(FEATURE_NAMES)
-
-#: Used when a table carries no reuse histogram: every row accessed once.
-_FLAT_HISTOGRAM = (1.0,) + (0.0,) * (NUM_REUSE_BINS - 1)
+OUTPUT_BYTES_PER_ELEMENT = 4
 
 
-def table_features(table: Table) -> np.ndarray:
-    """Feature vector of `table` (float32, NUM_FEATURES long)."""
-    hist = table.reuse_histogram or _FLAT_HISTOGRAM
-    size = table.rows * table.dim * table.bytes_per_element
-    lookup_bytes = table.pooling_factor * table.dim * table.bytes_per_element
+# ----------------------------------------------------------------------------- histograms
+@lru_cache(maxsize=65536)
+def imputed_histogram(rows: int, pooling_factor: float, batch_size: int) -> tuple[float, ...]:
+    """The reuse histogram (share of touched rows per reuse bin) the calibrated synthetic
+    model expects for a table of `rows` rows and `pooling_factor` at `batch_size`: its Zipf
+    exponent is the mixture's expected exponent for that many rows
+    (`synthetic.expected_zipf`), the one the measured evaluator also draws with."""
+    from embshard.data import synthetic as syn
+
+    n = float(pooling_factor) * int(batch_size)
+    if n <= 0:
+        return (1.0,) + (0.0,) * (NUM_REUSE_BINS - 1)
+    row_bins, _ = syn.expected_table_bins(int(rows), syn.expected_zipf(int(rows)), syn.DEFAULT_Q, n, ratio=1.15)
+    total = float(row_bins.sum())
+    if total <= 0:
+        return (1.0,) + (0.0,) * (NUM_REUSE_BINS - 1)
+    return tuple(round(float(x) / total, 6) for x in row_bins)
+
+
+def with_histogram(table: Table, batch_size: int) -> tuple[Table, bool]:
+    """(`table` with a reuse histogram, whether it was imputed)."""
+    if table.reuse_histogram is not None and sum(table.reuse_histogram) > 0:
+        return table, False
+    hist = imputed_histogram(table.rows, table.pooling_factor, int(batch_size))
+    return replace(table, reuse_histogram=hist), True
+
+
+def planning_view(task):
+    """(`task` with every table's reuse histogram present, names of the imputed tables).
+
+    Only cost models see this view; plans, memory and the measured evaluator use the task
+    as given (whose trace-less tables draw indices from the same distribution)."""
+    tables, imputed = [], []
+    for t in task.tables:
+        nt, was = with_histogram(t, task.batch_size)
+        tables.append(nt)
+        if was:
+            imputed.append(t.name)
+    if not imputed:
+        return task, []
+    return replace(task, tables=tuple(tables)), imputed
+
+
+def mean_reuse(hist: Sequence[float]) -> float:
+    """Mean accesses per touched row implied by a reuse histogram (>= 1)."""
+    h = np.asarray(hist, dtype=np.float64)
+    s = h.sum()
+    if s <= 0:
+        return 1.0
+    return max(1.0, float((h / s) @ _BIN_COUNT))
+
+
+# ----------------------------------------------------------------------------- features
+def table_features(table: Table, batch_size: int) -> np.ndarray:
+    """Raw feature vector of one table (or piece) at `batch_size` (float32, NUM_FEATURES).
+
+    A table without a reuse histogram is given its imputed one (see the module docstring);
+    callers that want the flag use `with_histogram` / `planning_view` first."""
+    table, _ = with_histogram(table, batch_size)
+    b = float(batch_size)
+    bpe = float(table.bytes_per_element)
+    lookups = table.pooling_factor * b
+    reuse = mean_reuse(table.reuse_histogram)
+    touched = min(float(table.rows), lookups / reuse) if lookups > 0 else 0.0
+    size = table.rows * table.dim * bpe
     return np.array(
         [
             math.log(table.rows),
-            float(table.dim),
-            table.pooling_factor,
-            math.log1p(table.pooling_factor),
+            math.log2(table.dim),
             math.log(size),
-            math.log1p(lookup_bytes),
-            *hist,
+            math.log1p(table.pooling_factor),
+            math.log2(b),
+            math.log1p(lookups),
+            math.log(reuse),
+            touched / table.rows,
+            bpe,
+            *table.reuse_histogram,
+            lookups / 1e4,
+            lookups * table.dim * bpe / 1e6,
+            b / 1e4,
+            b * table.dim * OUTPUT_BYTES_PER_ELEMENT / 1e6,
+            touched / 1e4,
+            touched * table.dim * bpe / 1e6,
+            size / 1e6,
+            1.0,
         ],
         dtype=np.float32,
     )
 
 
-def shard_features(tables: Sequence[Table]) -> np.ndarray:
-    """[len(tables), NUM_FEATURES] features of the tables of one device's shard."""
-    return np.stack([table_features(t) for t in tables]) if tables else np.zeros((0, NUM_FEATURES), np.float32)
+def shard_features(tables: Sequence[Table], batch_size: int) -> np.ndarray:
+    """[len(tables), NUM_FEATURES] features of the tables (pieces) of one device's shard."""
+    if not tables:
+        return np.zeros((0, NUM_FEATURES), np.float32)
+    return np.stack([table_features(t, batch_size) for t in tables])

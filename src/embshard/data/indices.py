@@ -76,7 +76,7 @@ def _draw(table: Table, batch_size: int, rng: np.random.Generator) -> tuple[np.n
         rows=table.rows,
         pooling_factor=table.pooling_factor,
         zipf=s,
-        q=math.exp(syn.DEFAULT_PARAMS.log_q),
+        q=syn.DEFAULT_Q,
         seed=syn.table_seed(table.name),
     )
     lengths, indices = syn.table_trace(spec, batch_size, rng)

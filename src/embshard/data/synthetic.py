@@ -99,6 +99,20 @@ class SyntheticParams:
 
 
 DEFAULT_PARAMS = SyntheticParams()
+#: The Zipf-Mandelbrot offset of every synthetic table.
+DEFAULT_Q = math.exp(DEFAULT_PARAMS.log_q)
+
+
+def _rows_z(log10_rows: np.ndarray | float, params: SyntheticParams) -> np.ndarray | float:
+    """How many standard deviations a table's log10 hash size lies from the bulk's mean."""
+    return (log10_rows - params.log10_rows_mean) / max(params.log10_rows_std, 1e-9)
+
+
+def expected_zipf(rows: int, params: SyntheticParams = DEFAULT_PARAMS) -> float:
+    """The mixture's expected Zipf exponent for a table of `rows` rows (its mean given the
+    size, without the per-table noise): what a table with no reuse histogram is given."""
+    z = float(np.clip(_rows_z(math.log10(max(int(rows), 1)), params), -3, 3))
+    return float(np.clip(params.zipf_mean + params.zipf_rows_corr * z, 0.0, 3.0))
 
 
 @dataclass(frozen=True)
@@ -190,7 +204,7 @@ def draw_table_specs(
     )
     log10_rows = np.clip(log10_rows, 2.0, math.log10(MAX_ROWS))
     rows = np.round(10.0**log10_rows).astype(np.int64)
-    z_rows = (log10_rows - params.log10_rows_mean) / max(params.log10_rows_std, 1e-9)
+    z_rows = _rows_z(log10_rows, params)
 
     # Pooling factors: one-hot features (0.5 .. 1], multi-hot log-normal, rescaled so the
     # mean over tables equals the target (the realised draw, not just its expectation).
@@ -428,12 +442,13 @@ def fit_zipf(
     pooling_factor: float,
     batch_size: int,
     reuse_histogram: Sequence[float] | None,
-    q: float = math.exp(DEFAULT_PARAMS.log_q),
+    q: float = DEFAULT_Q,
 ) -> float:
     """The Zipf exponent whose expected unique-row reuse histogram at `batch_size` is
-    closest (L1) to `reuse_histogram`; the calibrated mean exponent where there is none."""
+    closest (L1) to `reuse_histogram`; where there is none, the calibrated mixture's expected
+    exponent for `rows` (`expected_zipf`), the same one `features.imputed_histogram` uses."""
     if reuse_histogram is None or sum(reuse_histogram) <= 0 or pooling_factor <= 0:
-        return DEFAULT_PARAMS.zipf_mean
+        return expected_zipf(rows)
     want = np.asarray(reuse_histogram, dtype=np.float64)
     want = want / want.sum()
     grid = np.linspace(0.0, 2.5, 51)
