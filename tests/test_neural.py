@@ -21,6 +21,7 @@ from embshard.tables import Table
 from embshard.task import Task
 
 BATCH = 1024
+BATCHES = (512, 1024, 2048)
 DIMS = (4, 8, 16, 32, 64, 128)
 
 
@@ -36,16 +37,17 @@ def make_pool(n: int, rng: np.random.Generator) -> list[Table]:
     return pool
 
 
-def true_compute_ms(tables) -> float:
-    """Sum of per-table lookup work with a fusion discount for many tables, plus a launch."""
-    work = sum(t.pooling_factor * t.dim * (1 + 0.1 * math.log(t.rows)) for t in tables)
+def true_compute_ms(tables, batch=BATCH) -> float:
+    """Sum of per-table lookup work (linear in the batch) with a fusion discount for many
+    tables, plus a launch."""
+    work = sum(t.pooling_factor * t.dim * (1 + 0.1 * math.log(t.rows)) for t in tables) * batch / BATCH
     return 0.05 + 2e-3 * work * (0.7 + 0.3 / len(tables))
 
 
-def true_comm_ms(widths, delays):
+def true_comm_ms(widths, delays, batch=BATCH):
     d = len(widths)
     total = sum(widths)
-    vol = [4.0 * BATCH / d * ((d - 2) * w + total) / 1e6 for w in widths]
+    vol = [4.0 * batch / d * ((d - 2) * w + total) / 1e6 for w in widths]
     bw = [0.2 + 2.0 * v for v in vol]
     fw = [b + (max(delays) - x) for b, x in zip(bw, delays)]
     return fw, bw
@@ -59,16 +61,18 @@ def write_data(path: Path, n_compute=600, n_comm=300, devices=(2, 3, 4, 5, 6, 8)
         for _ in range(n_compute):
             k = int(rng.integers(1, max_tables + 1))
             tables = [pool[i].with_dim(int(rng.choice(DIMS))) for i in rng.choice(len(pool), k, replace=False)]
-            ms = true_compute_ms(tables) * float(rng.normal(1, 0.02))
-            f.write(json.dumps({"kind": "compute", "tables": [t.to_dict() for t in tables], "batch_size": BATCH,
+            batch = int(rng.choice(BATCHES))
+            ms = true_compute_ms(tables, batch) * float(rng.normal(1, 0.02))
+            f.write(json.dumps({"kind": "compute", "tables": [t.to_dict() for t in tables], "batch_size": batch,
                                 "median_ms": ms, "spread_ms": 0.01, "samples_ms": [ms] * 3}) + "\n")
     with open(path / "comm.jsonl", "w") as f:
         for _ in range(n_comm):
             d = int(rng.choice(devices))
             widths = [int(x) for x in rng.integers(4, 400, size=d)]
             delays = [float(x) for x in rng.uniform(0, 10, size=d)]
-            fw, bw = true_comm_ms(widths, delays)
-            f.write(json.dumps({"kind": "comm", "num_devices": d, "batch_size": BATCH, "widths": widths,
+            batch = int(rng.choice(BATCHES))
+            fw, bw = true_comm_ms(widths, delays, batch)
+            f.write(json.dumps({"kind": "comm", "num_devices": d, "batch_size": batch, "widths": widths,
                                 "delays_ms": delays, "forward_ms": fw, "backward_ms": bw}) + "\n")
     (path / "profile.json").write_text(json.dumps({"backend": "synthetic", "device": "formula", "torch": torch.__version__}))
     return pool
@@ -76,7 +80,7 @@ def write_data(path: Path, n_compute=600, n_comm=300, devices=(2, 3, 4, 5, 6, 8)
 
 FAST = {"max_epochs": 60, "batch_size": 32, "lr": 3e-3, "patience": 25, "progress": False, "wandb": False,
         "val_fraction": 0.1, "test_fraction": 0.15, "holdout_num_devices": 6, "val_by": "tables",
-        "compute": {"encoder_hidden": 32, "encoder_out": 16, "head_hidden": 32},
+        "compute": {"hidden": 32, "hidden2": 16, "context_hidden": 8},
         "comm": {"hidden": 32, "embed": 16}}
 
 
@@ -142,10 +146,27 @@ def test_pretrain_learns_formula_and_writes_outputs(trained):
     assert objective == pytest.approx(metrics["compute"]["val"]["kendall_tau"])
     assert metrics["compute"]["test"]["n"] > 20
     assert metrics["compute"]["test"]["kendall_tau"] > 0.8, metrics["compute"]["test"]
-    assert metrics["compute"]["test"]["mape_pct"] < 30
+    assert metrics["compute"]["test"]["mape_pct"] < 20, metrics["compute"]["test"]
+    assert set(metrics["compute"]["by_batch"]) == {str(b) for b in BATCHES}
     for kind in ("forward_comm", "backward_comm"):
         assert metrics[kind]["test"]["kendall_tau"] > 0.8, (kind, metrics[kind]["test"])
         assert metrics[kind]["test"]["r2"] > 0.8, (kind, metrics[kind]["test"])
+    card = (out / "data_card.md").read_text()
+    assert "## Training envelope" in card and "512, 1024, 2048" in card
+
+
+def test_batch_size_is_an_input_not_a_linear_scale(trained):
+    root, _ = trained
+    models = N.NeuralCostModels.load(root / "out" / "cost_models.pt")
+    pool = make_pool(40, np.random.default_rng(11))  # tables never trained on
+    shards = [pool[i : i + 3] for i in range(0, 39, 3)]
+    for batch in BATCHES:
+        pred = models.at_batch(batch).compute_ms(shards)
+        truth = np.array([true_compute_ms(s, batch) for s in shards])
+        assert np.median(np.abs(pred - truth) / truth) < 0.2, batch
+    # the same shards at twice the batch: about twice the time (the formula is linear in it)
+    ratio = models.at_batch(2048).compute_ms(shards) / models.at_batch(1024).compute_ms(shards)
+    assert 1.6 < np.median(ratio) < 2.4
 
 
 def test_comm_model_generalises_to_unseen_device_count(trained):
@@ -161,7 +182,7 @@ def test_comm_model_generalises_to_unseen_device_count(trained):
         m = metrics[kind]["heldout_devices"]
         assert m["kendall_tau"] > 0.75 and m["r2"] > 0.7, (kind, m)
     # and any D at all, never seen (12), in the plausible direction: more bytes, more time
-    models = N.NeuralCostModels.load(root / "out" / "cost_models.pt")
+    models = N.NeuralCostModels.load(root / "out" / "cost_models.pt").at_batch(BATCH)
     w = np.full((2, 12), 64.0)
     w[1] *= 4
     fw, bw = models.comm_ms(w, np.zeros((2, 12)))
@@ -173,22 +194,22 @@ def test_checkpoint_loads_weights_only_and_matches_torch(trained):
     root, _ = trained
     path = root / "out" / "cost_models.pt"
     raw = torch.load(path, weights_only=True)
-    assert raw["format_version"] == N.FORMAT_VERSION and raw["batch_size"] == BATCH
+    assert raw["format_version"] == N.FORMAT_VERSION and raw["data"]["batch_sizes"] == list(BATCHES)
     assert set(raw["normalization"]) == set(N.MODEL_KEYS) and raw["profile"]["backend"] == "synthetic"
-    assert raw["data"]["tables"]["test"] and "metrics" in raw
-    models = N.NeuralCostModels.load(path)
+    assert raw["data"]["tables"]["test"] and "metrics" in raw and raw["envelope"]["compute_batch_sizes"] == list(BATCHES)
+    models = N.NeuralCostModels.load(path).at_batch(BATCH)
     rng = np.random.default_rng(5)
     pool = make_pool(12, rng)
     shards = [pool[:3], pool[3:4], [], pool[4:12]]
     fast = models.compute_ms(shards)
     assert fast[2] == 0.0 and np.all(fast[[0, 1, 3]] > 0)
     # numpy inference == the torch network on the same inputs
-    net, norm = models.net("compute"), models.norm["compute"]
-    for s, v in zip(shards, fast):
-        if s:
-            x = torch.from_numpy(norm.x(N.compute_features(s)))[None]
+    net = models.models.net("compute")
+    for sh, v in zip(shards, fast):
+        if sh:
+            x = torch.from_numpy(N.compute_features(sh, BATCH))[None]
             with torch.no_grad():
-                ref = norm.to_ms(net(x, torch.ones(1, len(s))).numpy())[0]
+                ref = net(x, torch.ones(1, len(sh))).item()
             assert v == pytest.approx(ref, rel=1e-4)
     # compute model tracks the formula on unseen tables
     pred = models.compute_ms([[t] for t in pool] + [pool[i : i + 4] for i in range(8)])
@@ -196,22 +217,25 @@ def test_checkpoint_loads_weights_only_and_matches_torch(trained):
     assert kendall_tau_b(truth, pred) > 0.7
 
 
-def test_compute_model_is_permutation_invariant(trained):
+def test_compute_model_is_permutation_invariant_and_positive(trained):
     root, _ = trained
-    models = N.NeuralCostModels.load(root / "out" / "cost_models.pt")
+    models = N.NeuralCostModels.load(root / "out" / "cost_models.pt").at_batch(BATCH)
     pool = make_pool(6, np.random.default_rng(9))
     a = models.compute_ms([pool, pool[::-1], [pool[i] for i in (3, 1, 5, 0, 4, 2)]])
     assert a[0] == pytest.approx(a[1], rel=1e-5) and a[0] == pytest.approx(a[2], rel=1e-5)
-    for reduction in N.REDUCTIONS:
-        net = N.ComputeNet(encoder_hidden=16, encoder_out=8, head_hidden=8, reduction=reduction)
-        x = torch.randn(1, 5, N.NUM_FEATURES)
-        perm = torch.randperm(5)
-        pad = torch.cat([x[:, perm], torch.randn(1, 2, N.NUM_FEATURES)], dim=1)  # padding rows ignored
-        mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]], dtype=torch.float32)
-        assert net(x, torch.ones(1, 5)).item() == pytest.approx(net(pad, mask).item(), abs=1e-5)
+    torch.manual_seed(0)
+    net = N.ComputeNet(hidden=16, hidden2=8, context_hidden=8)
+    x = torch.from_numpy(N.compute_features(pool[:5], BATCH))[None]
+    perm = torch.randperm(5)
+    pad = torch.cat([x[:, perm], torch.from_numpy(N.compute_features(pool[:2], BATCH))[None]], dim=1)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0]], dtype=torch.float32)  # padding rows ignored
+    y = net(x, torch.ones(1, 5))
+    assert y.item() > 0 and y.item() == pytest.approx(net(pad, mask).item(), rel=1e-5)
 
 
-def test_device_costs_simulate_the_plan(trained):
+def test_device_costs_simulate_the_plan_at_the_tasks_batch(trained):
+    from embshard.plan import device_pieces
+
     root, _ = trained
     models = N.NeuralCostModels.load(root / "out" / "cost_models.pt")
     assert isinstance(models, CostModel)
@@ -225,17 +249,36 @@ def test_device_costs_simulate_the_plan(trained):
         shards.append(Shard.whole(last, 2))
     plan = Plan("t", "manual", shards)
     costs = models.device_costs(task, plan)
-    device_tables = [[models.shard_table(task.table_by_name[s.table], s.rows, s.dim) for s in plan.shards_on(k)] for k in range(3)]
-    compute = models.compute_ms(device_tables)
+    p = models.at_batch(BATCH)
+    compute = p.compute_ms(device_pieces(task, plan))
     assert costs.compute_ms == pytest.approx(list(compute))
-    fw, bw = models.comm_ms(np.array(plan.device_widths(3)), compute - compute.min())
+    fw, bw = p.comm_ms(np.array(plan.device_widths(3)), compute - compute.min())
     assert costs.forward_comm_ms == pytest.approx(list(fw)) and costs.backward_comm_ms == pytest.approx(list(bw))
     assert costs.plan_cost_ms == pytest.approx(max(c + f + b for c, f, b in zip(compute, fw, bw)))
-    # another batch size: linear scaling, warned once
+    # another batch size is the models' own prediction at that batch (no linear rescaling)
     task2 = Task("t", 3, 1 << 40, 2 * BATCH, tuple(pool))
-    with pytest.warns(UserWarning, match="scaling"):
-        c2 = models.device_costs(task2, plan)
-    assert c2.plan_cost_ms == pytest.approx(2 * costs.plan_cost_ms, rel=1e-5)
+    c2 = models.device_costs(task2, plan)
+    assert c2.compute_ms == pytest.approx(list(models.at_batch(2 * BATCH).compute_ms(device_pieces(task2, plan))))
+    assert 1.5 < c2.plan_cost_ms / costs.plan_cost_ms < 2.5
+
+
+def test_envelope_flags_what_the_models_never_saw(trained):
+    root, _ = trained
+    models = N.NeuralCostModels.load(root / "out" / "cost_models.pt")
+    pool = make_pool(30, np.random.default_rng(4))
+    inside = Task("in", 2, 1 << 40, BATCH, tuple(pool[:4]))
+    plan = Plan("in", "m", [Shard.whole(t, i % 2) for i, t in enumerate(inside.tables)])
+    rep = models.envelope_report(inside, plan)
+    assert rep["out_of_envelope_devices"] == 0 and rep["imputed_histograms"] == 0, rep
+    # 30 pieces on one device (trained on 1..5), a batch never seen, a table without a histogram
+    flat = [Table(t.name, t.rows, t.dim, t.pooling_factor) for t in pool]
+    outside = Task("out", 2, 1 << 40, 8 * BATCH, tuple(flat))
+    plan = Plan("out", "m", [Shard.whole(t, 0) for t in flat[:-1]] + [Shard.whole(flat[-1], 1)])
+    rep = models.envelope_report(outside, plan)
+    assert rep["out_of_envelope_devices"] == 2 and rep["imputed_histograms"] == 30
+    reasons = " ".join(rep["reasons"]["0"])
+    assert "pieces=29 >" in reasons and "batch=8192 >" in reasons
+    assert rep["comm_out_of_envelope"] and any("batch" in r for r in rep["comm_reasons"])
 
 
 # ---------------------------------------------------------------------------------------
@@ -251,10 +294,10 @@ def test_bad_checkpoint_one_line_input_error(trained, tmp_path, kind):
     elif kind == "truncated":
         bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     elif kind == "wrong_dict":
-        torch.save({"format_version": 1, "hello": 1}, bad)
+        torch.save({"format_version": N.FORMAT_VERSION, "hello": 1}, bad)
     elif kind == "wrong_shapes":
         b = torch.load(good, weights_only=True)
-        b["compute"]["hparams"]["encoder_hidden"] = 99
+        b["compute"]["hparams"]["hidden"] = 99
         torch.save(b, bad)
     with pytest.raises(InputError) as e:
         N.NeuralCostModels.load(bad)
@@ -301,31 +344,30 @@ def test_hydra_config_instantiates_the_bundle(trained):
 
     root, _ = trained
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "cost_model" / "neural.yaml")
-    assert resolve_config(cfg)["compute"]["reduction"] == "sum"  # every yaml field is known
+    assert resolve_config(cfg)["compute"]["hidden"] == 128  # every yaml field is known
     cfg.path = str(root / "out" / "cost_models.pt")
     models = instantiate(cfg)
-    assert isinstance(models, N.NeuralCostModels) and models.batch_size == BATCH
+    assert isinstance(models, N.NeuralCostModels) and models.at_batch(BATCH).batch_size == BATCH
 
 
-@pytest.mark.parametrize("reduction", N.REDUCTIONS)
-@pytest.mark.parametrize("additive", [False, True])
-def test_numpy_inference_matches_torch_for_every_compute_variant(trained, reduction, additive):
+def test_numpy_inference_matches_torch_and_running_sums(trained):
     root, _ = trained
     bundle = torch.load(root / "out" / "cost_models.pt", weights_only=True)
     torch.manual_seed(0)
-    hp = dict(bundle["compute"]["hparams"], reduction=reduction, additive=additive)
-    net = N.ComputeNet(**hp).eval()
-    bundle["compute"] = {"state_dict": {k: v.clone() for k, v in net.state_dict().items()}, "hparams": hp}
-    models = N.NeuralCostModels(bundle)
+    net = N.ComputeNet(**bundle["compute"]["hparams"])
+    net.load_state_dict(bundle["compute"]["state_dict"])
+    with torch.no_grad():  # perturb every weight: the check must not depend on the trained values
+        for prm in net.parameters():
+            prm.add_(0.05 * torch.randn_like(prm))
+    bundle["compute"] = {"state_dict": {k: v.clone() for k, v in net.state_dict().items()}, "hparams": bundle["compute"]["hparams"]}
+    models = N.NeuralCostModels(bundle).at_batch(2048)
     pool = make_pool(9, np.random.default_rng(3))
     shards = [pool[:1], pool[1:5], pool[5:9]]
-    norm = models.norm["compute"]
-    for s, fast in zip(shards, models.compute_ms(shards)):
-        x = torch.from_numpy(norm.x(N.compute_features(s)))[None]
+    for sh, fast in zip(shards, models.compute_ms(shards)):
+        x = torch.from_numpy(N.compute_features(sh, 2048))[None]
         with torch.no_grad():
-            ref = norm.to_ms(net(x, torch.ones(1, len(s))).numpy())[0]
+            ref = net.eval()(x, torch.ones(1, len(sh))).item()
         assert fast == pytest.approx(ref, rel=1e-4, abs=1e-6)
     # the search's running sums: head_ms(sum of encodings) is the same prediction
     enc = models.table_encodings(pool[1:5])
-    pooled = models.pool(enc, np.array([0, 4]))
-    assert models.head_ms(pooled)[0] == pytest.approx(models.compute_ms([pool[1:5]])[0], rel=1e-5)
+    assert models.head_ms(enc.sum(0, keepdims=True))[0] == pytest.approx(models.compute_ms([pool[1:5]])[0], rel=1e-6)

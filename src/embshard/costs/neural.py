@@ -2,37 +2,48 @@
 
 Three models, trained by `embshard.costs.pretrain.pretrain` on measured cost data:
 
-* **compute**: fused forward+backward kernel time of one device's shard set. A per-table
-  encoder MLP (24 → 128 → 32, ReLU) on z-scored `table_features` + lookup bytes, a permutation-invariant
-  reduction over the shard's tables (``sum``, or ``sum_max`` = sum ‖ max), and a head MLP
-  (→ 64 → 1). By default it predicts standardised ms with a squared error (``target: ms``,
-  ``loss: mse``): a shard's time is close to a sum of per-table terms, so a sum reduction
-  with an ms output stays near-additive and extrapolates to more tables, and the plan cost
-  (a max over devices) is decided by absolute ms on the big shards. On held-out tables of
-  the test data this beat a log-ms target (R² 0.99 vs 0.50, same τ) whose head must learn
-  log-of-a-sum. ``target: log_ms`` and ``loss: relative`` ((y_std/y)²-weighted) are options.
-* **forward / backward comm**: one time per device for ANY device count D. A DeepSets
-  network: each device's features (its width, the bytes it moves in the all-to-all, its
-  delay and wait, and global context: D, sum/mean/max/min of widths and delays, batch)
-  go through an encoder φ; the mean and max of φ over the sample's devices are concatenated
-  to each device's own features and encoding, and a head ρ gives that device's time (ms,
-  standardised: comm time is close to linear in bytes and in waiting, and a ReLU MLP on
-  ms extrapolates linearly). The backward model sees no delays (the backward all-to-all
-  starts from a barrier).
+* **compute**: fused forward+backward kernel time of one device's shard set, at any batch
+  size. Each piece (a table, or a column / row slice of one) has intensive features (what a
+  lookup of it is like) and extensive ones (how much work it brings at this batch: lookups,
+  bytes read, bags, pooled output, rows touched; `embshard.costs.features`). A rate network
+  maps the intensive features to one positive rate per kind of work, so a piece costs
+  Σ_k rate_k × work_k; a shard sums its pieces, and a context network on the shard's total
+  work (log-scaled: working set, lookups, pieces) scales each kind of work (caches and
+  fusion) and adds a per-step constant:
 
-`NeuralCostModels` is the loaded bundle the search uses: numpy inference, per-table
-encodings cached, one batched call for many shards or many comm configurations, and
-`device_costs(task, plan)` (the CostModel protocol) simulating a plan like the hardware
-evaluator measures it.
+      ms = Σ_k m_k(context) × Σ_pieces rate_k(piece) × work_k(piece) + c(context)
+
+  Time is linear in work at fixed rates, so the model extrapolates to more lookups, bigger
+  batches and more pieces the way the kernel does, instead of the way a ReLU head happens to
+  (the previous sum-of-encodings → MLP head did not, and a search found its blind spots).
+  Trained on the relative (log) error, the quantity MAPE reports. Intensive features are held
+  to the range they were trained on (a rate saturates at the edge of the data instead of
+  extrapolating), while work outside it still scales time linearly. Rates and context
+  multipliers are bounded swings (× e^±4, × e^±2) around scales fitted to the data before
+  training.
+* **forward / backward comm**: one time per device for ANY device count D and batch. A
+  DeepSets network: each device's features (its width, the bytes it moves in the
+  all-to-all at this batch, its delay and wait, and global context: D, sum/mean/max/min of
+  widths and delays, batch) go through an encoder φ; the mean and max of φ over the sample's
+  devices are concatenated to each device's own features and encoding, and a head ρ gives
+  that device's time (ms, standardised). The backward model sees no delays (the backward
+  all-to-all starts from a barrier).
+
+`NeuralCostModels` is the loaded bundle: `at_batch(b)` gives the predictor the search uses
+for one batch size (numpy inference, per-piece encodings cached, one batched call for many
+shards or comm configurations); `device_costs(task, plan)` (the CostModel protocol)
+simulates a plan like the hardware evaluator measures it; `envelope_report(task, plan)` says
+which device shards fall outside the training data (`embshard.costs.envelope`).
 
 Checkpoint (`cost_models.pt`, plain data, loads with ``torch.load(weights_only=True)``)::
 
-    {"format_version": 1,
+    {"format_version": 2,
      "compute" | "forward_comm" | "backward_comm": {"state_dict": {...}, "hparams": {...}},
-     "normalization": {"compute" | "forward_comm" | "backward_comm":
-                          {"x_mean": [...], "x_std": [...], "y_mean": float, "y_std": float,
-                           "target": "log_ms" | "ms"}},
-     "profile": {...hardware profile...}, "batch_size": int, "metrics": {...}, "data": {...}}
+     "normalization": {"compute": {"feature_names": [...]},
+                       "forward_comm" | "backward_comm": {"x_mean": [...], "x_std": [...],
+                           "y_mean": float, "y_std": float, "target": "ms" | "log_ms",
+                           "feature_names": [...]}},
+     "envelope": {...}, "profile": {...}, "metrics": {...}, "data": {...}}
 """
 
 from __future__ import annotations
@@ -40,7 +51,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,14 +61,16 @@ import torch
 from torch import nn
 
 from embshard.costs.base import DeviceCosts
-from embshard.costs.features import FEATURE_NAMES, table_features
+from embshard.costs.envelope import Envelope
+from embshard.costs.features import (EXTENSIVE_NAMES, FEATURE_NAMES, NUM_EXTENSIVE, NUM_FEATURES, NUM_INTENSIVE,
+                                     planning_view, shard_features)
 from embshard.errors import InputError
+from embshard.plan import device_pieces
 from embshard.tables import Table
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MODEL_KEYS = ("compute", "forward_comm", "backward_comm")
 TARGETS = ("log_ms", "ms")
-REDUCTIONS = ("sum", "sum_max")
 #: floor of a label before taking its log (ms)
 LOG_FLOOR_MS = 1e-3
 _REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -66,23 +78,21 @@ _REPO_ROOT = Path(__file__).resolve().parents[3]
 # ---------------------------------------------------------------------------------------
 # Compute features
 # ---------------------------------------------------------------------------------------
-#: `table_features` plus one derived column that is LINEAR in the kernel's main work, the
-#: bytes a bag lookup reads (pooling factor × dim × bytes per element, in kB): the 23 raw
-#: features hold it only as a log or as a product of two columns, which a ReLU MLP fits
-#: poorly outside the training range, and a shard's time is close to a sum of such terms.
-COMPUTE_FEATURE_NAMES: tuple[str, ...] = (*FEATURE_NAMES, "lookup_kbytes")
-NUM_FEATURES = len(COMPUTE_FEATURE_NAMES)
-_I_DIM, _I_PF = FEATURE_NAMES.index("dim"), FEATURE_NAMES.index("pooling_factor")
+COMPUTE_FEATURE_NAMES = FEATURE_NAMES
+#: The kinds of work a piece is charged for (weight bytes only shape the context: rows that
+#: are not looked up cost nothing, but a big working set makes every lookup slower).
+RATE_TERMS: tuple[str, ...] = ("lookups_1e4", "lookup_mb", "bags_1e4", "output_mb", "touched_rows_1e4",
+                               "touched_mb", "pieces")
+_RATE_IDX = [EXTENSIVE_NAMES.index(n) for n in RATE_TERMS]
+NUM_RATES = len(RATE_TERMS)
+#: bounded swings of the learned log-rates and log-multipliers around their fitted scales
+RATE_RANGE = 4.0
+CONTEXT_RANGE = 2.0
 
 
-def compute_features(tables: Sequence[Table]) -> np.ndarray:
+def compute_features(tables: Sequence[Table], batch_size: int) -> np.ndarray:
     """[len(tables), NUM_FEATURES] raw features of the compute model (float32)."""
-    if not tables:
-        return np.zeros((0, NUM_FEATURES), np.float32)
-    base = np.stack([table_features(t) for t in tables])
-    bpe = np.array([t.bytes_per_element for t in tables], np.float32)
-    extra = base[:, _I_PF] * base[:, _I_DIM] * bpe / 1e3
-    return np.concatenate([base, extra[:, None]], axis=1).astype(np.float32)
+    return shard_features(tables, batch_size)
 
 
 # ---------------------------------------------------------------------------------------
@@ -148,38 +158,104 @@ def comm_features(widths: np.ndarray, delays_ms: np.ndarray | None, batch_size: 
 # ---------------------------------------------------------------------------------------
 # Networks
 # ---------------------------------------------------------------------------------------
-class ComputeNet(nn.Module):
-    """Per-table encoder → masked reduction over the shard → head (one output per shard).
+def _bounded_exp(z: torch.Tensor, swing: float) -> torch.Tensor:
+    return torch.exp(swing * torch.tanh(z / swing))
 
-    Input: x [B, K, F] z-scored table features (K = most tables in a shard of the batch),
-    mask [B, K] (1 = a real table, 0 = padding).
+
+class ComputeNet(nn.Module):
+    """Rates × work, summed over the shard, scaled by its context (module docstring).
+
+    Input: x [B, K, NUM_FEATURES] RAW piece features (K = most pieces in a shard of the
+    batch), mask [B, K] (1 = a real piece, 0 = padding). Output: ms [B], always > 0.
+    Normalisation statistics and the fitted scales are buffers, so the state dict is the
+    whole model (`init_from_data` sets them before training).
     """
 
-    def __init__(self, in_features: int = NUM_FEATURES, encoder_hidden: int = 128, encoder_out: int = 32,
-                 head_hidden: int = 64, reduction: str = "sum", additive: bool = False):
+    def __init__(self, in_features: int = NUM_INTENSIVE, hidden: int = 128, hidden2: int = 64,
+                 context_hidden: int = 32, num_extensive: int = NUM_EXTENSIVE, num_rates: int = NUM_RATES):
         super().__init__()
-        if reduction not in REDUCTIONS:
-            raise InputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        self.reduction = reduction
-        self.encoder = nn.Sequential(
-            nn.Linear(in_features, encoder_hidden), nn.ReLU(), nn.Linear(encoder_hidden, encoder_out), nn.ReLU()
-        )
-        pooled = encoder_out * (2 if reduction == "sum_max" else 1)
-        self.head = nn.Sequential(nn.Linear(pooled, head_hidden), nn.ReLU(), nn.Linear(head_hidden, 1))
-        # additive: every table also adds its own non-negative cost (softplus), summed over the
-        # shard; the head models only what fusion changes. A shard of more tables then never
-        # predicts less, and unseen tables extrapolate through their own term.
-        self.additive = nn.Sequential(nn.Linear(encoder_out, 1)) if additive else None
+        if in_features != NUM_INTENSIVE or num_extensive != NUM_EXTENSIVE or num_rates != NUM_RATES:
+            raise InputError(f"compute net sizes ({in_features}, {num_extensive}, {num_rates}) differ from this code's "
+                             f"features ({NUM_INTENSIVE}, {NUM_EXTENSIVE}, {NUM_RATES}); retrain it")
+        self.rates = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden2), nn.ReLU(),
+                                   nn.Linear(hidden2, num_rates))
+        self.context = nn.Sequential(nn.Linear(num_extensive, context_hidden), nn.ReLU(),
+                                     nn.Linear(context_hidden, num_rates + 1))
+        with torch.no_grad():  # start at the fitted scales: rates and multipliers of 1 (×scale)
+            self.rates[-1].weight.mul_(0.01)
+            self.rates[-1].bias.zero_()
+            self.context[-1].weight.zero_()
+            self.context[-1].bias.zero_()
+        self.register_buffer("x_mean", torch.zeros(in_features))
+        self.register_buffer("x_std", torch.ones(in_features))
+        self.register_buffer("x_lo", torch.full((in_features,), -1e30))
+        self.register_buffer("x_hi", torch.full((in_features,), 1e30))
+        self.register_buffer("ctx_mean", torch.zeros(num_extensive))
+        self.register_buffer("ctx_std", torch.ones(num_extensive))
+        self.register_buffer("ctx_lo", torch.full((num_extensive,), -1e30))
+        self.register_buffer("ctx_hi", torch.full((num_extensive,), 1e30))
+        self.register_buffer("rate_scale", torch.ones(num_rates))
+        self.register_buffer("base_ms", torch.tensor(0.1))
+        self.register_buffer("rate_idx", torch.tensor(_RATE_IDX, dtype=torch.long))
+
+    def piece_terms(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., NUM_RATES] ms each piece brings per kind of work (before the context)."""
+        # intensive features are held to the range trained on: outside it a rate stays at the
+        # edge's value instead of extrapolating; work (extensive) still scales time linearly
+        xi = (torch.minimum(torch.maximum(x[..., :NUM_INTENSIVE], self.x_lo), self.x_hi) - self.x_mean) / self.x_std
+        rate = self.rate_scale * _bounded_exp(self.rates(xi), RATE_RANGE)
+        return rate * x[..., NUM_INTENSIVE:].index_select(-1, self.rate_idx)
+
+    def head(self, terms: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+        """ms of shards from their summed piece terms [B, R] and summed work [B, E]."""
+        lw = torch.minimum(torch.maximum(torch.log1p(work), self.ctx_lo), self.ctx_hi)
+        h = self.context((lw - self.ctx_mean) / self.ctx_std)
+        scale = _bounded_exp(h[:, :-1], CONTEXT_RANGE)
+        return (terms * scale).sum(-1) + self.base_ms * _bounded_exp(h[:, -1], CONTEXT_RANGE)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.encoder(x) * mask.unsqueeze(-1)  # encodings are >= 0 (ReLU): padding at 0 is neutral for max
-        pooled = h.sum(1)
-        if self.reduction == "sum_max":
-            pooled = torch.cat([pooled, h.max(1).values], dim=-1)
-        out = self.head(pooled).squeeze(-1)
-        if self.additive is not None:
-            out = out + (nn.functional.softplus(self.additive(h)).squeeze(-1) * mask).sum(1)
-        return out
+        m = mask.unsqueeze(-1)
+        terms = (self.piece_terms(x) * m).sum(1)
+        work = (x[..., NUM_INTENSIVE:] * m).sum(1)
+        return self.head(terms, work)
+
+    @torch.no_grad()
+    def init_from_data(self, feats: Sequence[np.ndarray], y_ms: np.ndarray, steps: int = 400) -> None:
+        """Normalisation statistics and the work scales from training data: the rates that
+        best fit the labels as a plain weighted sum of work (log error), which the network
+        then refines per piece and per context."""
+        allf = np.concatenate(feats).astype(np.float64)
+        xi = allf[:, :NUM_INTENSIVE]
+        std = xi.std(0)
+        work = np.stack([f[:, NUM_INTENSIVE:].sum(0) for f in feats]).astype(np.float64)
+        lw = np.log1p(work)
+        cstd = lw.std(0)
+        self.x_mean.copy_(torch.from_numpy(xi.mean(0)).float())
+        self.x_std.copy_(torch.from_numpy(np.where(std > 1e-6, std, 1.0)).float())
+        self.x_lo.copy_(torch.from_numpy(xi.min(0)).float())
+        self.x_hi.copy_(torch.from_numpy(xi.max(0)).float())
+        self.ctx_mean.copy_(torch.from_numpy(lw.mean(0)).float())
+        self.ctx_std.copy_(torch.from_numpy(np.where(cstd > 1e-6, cstd, 1.0)).float())
+        self.ctx_lo.copy_(torch.from_numpy(lw.min(0)).float())
+        self.ctx_hi.copy_(torch.from_numpy(lw.max(0)).float())
+        s = torch.from_numpy(work[:, _RATE_IDX])
+        ly = torch.log(torch.from_numpy(np.maximum(np.asarray(y_ms, np.float64), LOG_FLOOR_MS)))
+        # start every rate at "its work alone explains the mean label", then fit
+        theta = torch.log(ly.exp().mean() / s.mean(0).clamp_min(1e-9)) - math.log(NUM_RATES + 1)
+        theta = torch.cat([theta, torch.log(ly.exp().min().clamp_min(1e-3)).reshape(1)]).clone().requires_grad_()
+        opt = torch.optim.Adam([theta], lr=0.05)
+        with torch.enable_grad():
+            for _ in range(steps):
+                opt.zero_grad()
+                a = theta.exp()
+                pred = s @ a[:-1] + a[-1]
+                loss = ((torch.log(pred) - ly) ** 2).mean()
+                loss.backward()
+                opt.step()
+        a = theta.detach().exp()
+        floor = 1e-4 * float(a[:-1].max())
+        self.rate_scale.copy_(a[:-1].clamp_min(floor).float())
+        self.base_ms.copy_(a[-1].float())
 
 
 class CommNet(nn.Module):
@@ -277,6 +353,11 @@ class ComputeSample:
     ms: float
     #: the collector's split ("train", or "test" when drawn from its held-out tables)
     split: str | None = None
+    #: where the shard came from: "random" (collector's draw) or "<algorithm>" (a device
+    #: shard of a plan the refine stage measured)
+    origin: str = "random"
+    #: pieces whose reuse histogram was imputed (`features.imputed_histogram`), not measured
+    imputed_histograms: int = 0
 
 
 @dataclass
@@ -329,7 +410,9 @@ def load_compute_samples(path: str | os.PathLike) -> list[ComputeSample]:
         if not tables or not math.isfinite(ms) or ms <= 0 or batch <= 0:
             raise InputError(f"{where}: compute sample needs >= 1 table, a positive median_ms and batch_size")
         split = obj.get("split")
-        samples.append(ComputeSample(tables, batch, ms, str(split) if split is not None else None))
+        imputed = sum(1 for t in obj["tables"] if t.get("histogram_imputed") or t.get("reuse_histogram") is None)
+        samples.append(ComputeSample(tables, batch, ms, str(split) if split is not None else None,
+                                     str(obj.get("origin", "random")), imputed))
     if not samples:
         raise InputError(f"{path}: no compute samples")
     return samples
@@ -366,50 +449,33 @@ def most_common_batch(batches: Iterable[int]) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# Tensors for training: padded, pre-normalised
+# Tensors for training: padded
 # ---------------------------------------------------------------------------------------
-def compute_arrays(samples: Sequence[ComputeSample], batch_size: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """Per-sample raw feature matrices and labels (ms, scaled linearly to `batch_size`)."""
-    feats = [compute_features(s.tables) for s in samples]
-    y = np.array([s.ms * batch_size / s.batch_size for s in samples], dtype=np.float64)
-    return feats, y
+def compute_arrays(samples: Sequence[ComputeSample]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Per-sample raw feature matrices (at the sample's own batch) and labels (ms)."""
+    feats = [compute_features(s.tables, s.batch_size) for s in samples]
+    return feats, np.array([s.ms for s in samples], dtype=np.float64)
 
 
-def loss_weights(y_ms: np.ndarray, norm: Normalization, loss: str) -> np.ndarray:
-    """Per-label weights of the squared error on standardised targets.
-
-    ``mse``: 1. ``relative`` (for the ``ms`` target): (y_std / y)², so the loss is the squared
-    relative error, like a log target, while the network still predicts ms (labels below
-    5% of y_std weigh as if they were 5% of it)."""
-    y = np.asarray(y_ms, np.float64)
-    if loss == "mse" or norm.target == "log_ms":
-        return np.ones(y.shape, np.float32)
-    if loss != "relative":
-        raise InputError(f"loss must be 'mse' or 'relative', got {loss!r}")
-    return ((norm.y_std / np.maximum(y, 0.05 * norm.y_std)) ** 2).astype(np.float32)
-
-
-def compute_tensors(feats: Sequence[np.ndarray], y_ms: np.ndarray, norm: Normalization, loss: str = "mse") -> tuple[torch.Tensor, ...]:
-    """(x [N,K,F], mask [N,K], y [N], weight [N]) with K the most tables of any sample."""
+def compute_tensors(feats: Sequence[np.ndarray], y_ms: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """(x [N,K,F] raw, mask [N,K], y [N] ms) with K the most pieces of any sample."""
     k = max(f.shape[0] for f in feats)
     x = np.zeros((len(feats), k, NUM_FEATURES), np.float32)
     mask = np.zeros((len(feats), k), np.float32)
     for i, f in enumerate(feats):
-        x[i, : len(f)] = norm.x(f)
+        x[i, : len(f)] = f
         mask[i, : len(f)] = 1.0
-    y = norm.y(y_ms)
-    return torch.from_numpy(x), torch.from_numpy(mask), torch.from_numpy(y), torch.from_numpy(loss_weights(y_ms, norm, loss))
+    return torch.from_numpy(x), torch.from_numpy(mask), torch.from_numpy(np.asarray(y_ms, np.float32))
 
 
-def comm_arrays(samples: Sequence[CommSample], batch_size: int, direction: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per-sample [D, F] features and [D] labels (ms, scaled to `batch_size`) of one direction."""
+def comm_arrays(samples: Sequence[CommSample], direction: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-sample [D, F] features (at the sample's own batch) and [D] labels (ms) of one direction."""
     feats, ys = [], []
     for s in samples:
-        ratio = batch_size / s.batch_size
-        f = comm_features(np.array([s.widths]), np.array([s.delays_ms]) * ratio, batch_size,
+        f = comm_features(np.array([s.widths]), np.array([s.delays_ms]), s.batch_size,
                           with_delays=direction == "forward")[0]
         feats.append(f)
-        ys.append(np.asarray(s.forward_ms if direction == "forward" else s.backward_ms, np.float64) * ratio)
+        ys.append(np.asarray(s.forward_ms if direction == "forward" else s.backward_ms, np.float64))
     return feats, ys
 
 
@@ -431,15 +497,10 @@ def comm_tensors(feats: Sequence[np.ndarray], ys: Sequence[np.ndarray], norm: No
 # ---------------------------------------------------------------------------------------
 # Lightning module
 # ---------------------------------------------------------------------------------------
-def _lightning():
-    import pytorch_lightning as pl
-
-    return pl
-
-
 def make_module(kind: str, net_hparams: dict[str, Any], lr: float = 1e-3, weight_decay: float = 0.0):
-    """A LightningModule training one cost network on standardised targets (masked MSE)."""
-    pl = _lightning()
+    """A LightningModule training one cost network: the compute net on the squared log
+    error of its ms (relative error), comm nets on standardised targets (masked MSE)."""
+    import pytorch_lightning as pl
 
     class CostRegressor(pl.LightningModule):
         def __init__(self, kind: str, net_hparams: dict[str, Any], lr: float, weight_decay: float):
@@ -448,12 +509,11 @@ def make_module(kind: str, net_hparams: dict[str, Any], lr: float = 1e-3, weight
             self.kind = kind
             self.net = build_net(kind, dict(net_hparams))
 
-        def forward(self, x, mask):
-            return self.net(x, mask)
-
         def _loss(self, batch):
+            if self.kind == "compute":
+                x, mask, y = batch
+                return ((torch.log(self.net(x, mask)) - torch.log(y.clamp_min(LOG_FLOOR_MS))) ** 2).mean()
             x, mask, y, ymask = batch
-            # ymask: 0 for padding, else the label's loss weight
             err = (self.net(x, mask) - y) ** 2 * ymask
             return err.sum() / (ymask > 0).sum().clamp_min(1)
 
@@ -494,25 +554,36 @@ def _mlp(x: np.ndarray, layers: Sequence[tuple[np.ndarray, np.ndarray]], relu_la
     return x
 
 
+def _bexp(z: np.ndarray, swing: float) -> np.ndarray:
+    return np.exp(swing * np.tanh(z / swing))
+
+
+def _np(state: dict[str, torch.Tensor], key: str) -> np.ndarray:
+    return state[key].detach().cpu().double().numpy().copy()
+
+
 class NeuralCostModels:
-    """The three pre-trained cost models, loaded for fast inference (numpy, float32).
+    """The three pre-trained cost models, loaded for fast inference (numpy).
 
     Attributes:
-        batch_size: the batch size the models were trained at.
+        envelope: what the models were trained on (`embshard.costs.envelope.Envelope`).
         profile: the hardware profile the cost data was measured on.
         metrics, data: what pre-training reported (held-out metrics, sample counts, tables).
     """
+
+    #: not tied to one batch size: `at_batch` binds one
+    batch_size = None
 
     def __init__(self, bundle: dict[str, Any], source: str = "<memory>"):
         self.source = source
         try:
             if int(bundle["format_version"]) != FORMAT_VERSION:
-                raise InputError(f"{source}: checkpoint format {bundle['format_version']!r}, expected {FORMAT_VERSION}")
-            self.batch_size = int(bundle["batch_size"])
+                raise InputError(f"{source}: checkpoint format {bundle['format_version']!r}, expected {FORMAT_VERSION} "
+                                 "(retrain it: python train.py stage=pretrain ...)")
             self.profile = dict(bundle.get("profile") or {})
             self.metrics = dict(bundle.get("metrics") or {})
             self.data = dict(bundle.get("data") or {})
-            self.norm = {k: Normalization.from_dict(bundle["normalization"][k]) for k in MODEL_KEYS}
+            self.norm = {k: Normalization.from_dict(bundle["normalization"][k]) for k in MODEL_KEYS if k != "compute"}
             expected = {"compute": COMPUTE_FEATURE_NAMES, "forward_comm": COMM_FEATURE_NAMES,
                         "backward_comm": BACKWARD_COMM_FEATURES}
             for k in MODEL_KEYS:
@@ -524,22 +595,23 @@ class NeuralCostModels:
             states = {k: dict(bundle[k]["state_dict"]) for k in MODEL_KEYS}
             for k in MODEL_KEYS:  # the torch nets must accept the weights (shapes, names)
                 build_net(k, self.hparams[k]).load_state_dict(states[k], strict=True)
+            self.envelope = Envelope.from_dict(bundle["envelope"])
         except InputError:
             raise
         except Exception as e:  # KeyError, TypeError, RuntimeError from load_state_dict, ...
             msg = str(e).splitlines()[0] if str(e) else ""
             raise InputError(f"{source}: not a valid cost-model checkpoint ({type(e).__name__}: {msg[:200]})") from None
         self._states = states
-        self.reduction = self.hparams["compute"].get("reduction", "sum")
-        self._enc = _linears(states["compute"], "encoder")
-        self._head = _linears(states["compute"], "head")
-        # additive models carry each table's own cost as one extra encoding column, so a
-        # shard is still head(sum of encodings): the search's running sums work unchanged
-        self._add = _linears(states["compute"], "additive") or None
-        self._enc_width = self._enc[-1][0].shape[1]
+        c = states["compute"]
+        self._rates = _linears(c, "rates")
+        self._context = _linears(c, "context")
+        self._x_mean, self._x_std = _np(c, "x_mean"), _np(c, "x_std")
+        self._x_lo, self._x_hi = _np(c, "x_lo"), _np(c, "x_hi")
+        self._ctx_mean, self._ctx_std = _np(c, "ctx_mean"), _np(c, "ctx_std")
+        self._ctx_lo, self._ctx_hi = _np(c, "ctx_lo"), _np(c, "ctx_hi")
+        self._rate_scale, self._base_ms = _np(c, "rate_scale"), float(_np(c, "base_ms"))
         self._comm_layers = {k: (_linears(states[k], "phi"), _linears(states[k], "rho")) for k in ("forward_comm", "backward_comm")}
-        self._cache: dict[Table, np.ndarray] = {}
-        self._warned_batch = False
+        self._bound: dict[int, BatchCostModels] = {}
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -568,72 +640,124 @@ class NeuralCostModels:
         net.load_state_dict(self._states[kind])
         return net.eval()
 
-    # ------------------------------------------------------------------ compute
-    def table_encodings(self, tables: Sequence[Table]) -> np.ndarray:
-        """[N, E] per-table encodings (cached per Table). A shard's prediction is
-        `head_ms(pool(encodings of its tables))`, so a search can add and remove tables
-        from a device's running sum without re-encoding anything."""
-        out = np.empty((len(tables), self._enc_width + (1 if self._add else 0)), np.float32)
-        missing = [i for i, t in enumerate(tables) if t not in self._cache]
-        if missing:
-            if len(self._cache) > 1_000_000:
-                self._cache.clear()
-            feats = compute_features([tables[i] for i in missing])
-            enc = _mlp(self.norm["compute"].x(feats), self._enc, relu_last=True)
-            if self._add:
-                own = np.logaddexp(0.0, _mlp(enc, self._add, relu_last=False))  # softplus
-                enc = np.concatenate([enc, own.astype(np.float32)], axis=1)
-            for i, e in zip(missing, enc):
-                self._cache[tables[i]] = e
-        for i, t in enumerate(tables):
-            out[i] = self._cache[t]
-        return out
+    def at_batch(self, batch_size: int) -> "BatchCostModels":
+        """The predictor for one batch size (the ShardPredictor the search uses), cached."""
+        b = int(batch_size)
+        if b <= 0:
+            raise InputError(f"batch size must be positive, got {batch_size!r}")
+        if b not in self._bound:
+            self._bound[b] = BatchCostModels(self, b)
+        return self._bound[b]
 
-    def pool(self, encodings: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        """Reduce flat [N, E] encodings into [n, P] per shard; shard i = rows offsets[i]:offsets[i+1]."""
-        counts = np.diff(offsets)
-        n = len(counts)
-        e = encodings.shape[1]
-        pooled = np.zeros((n, e * (2 if self.reduction == "sum_max" else 1)), np.float32)
-        nz = counts > 0
-        if nz.any():
-            starts = offsets[:-1][nz]
-            pooled[nz, :e] = np.add.reduceat(encodings, starts, axis=0)
-            if self.reduction == "sum_max":
-                pooled[nz, e:] = np.maximum.reduceat(encodings, starts, axis=0)
-        return pooled
+    # ------------------------------------------------------------------ compute (batch-free parts)
+    def _encode(self, feats: np.ndarray) -> np.ndarray:
+        """[N, R + E] per-piece encodings: its ms per kind of work, then its raw work."""
+        xi = (np.clip(feats[:, :NUM_INTENSIVE], self._x_lo, self._x_hi) - self._x_mean) / self._x_std
+        rate = self._rate_scale * _bexp(_mlp(xi, self._rates, relu_last=False), RATE_RANGE)
+        work = feats[:, NUM_INTENSIVE:].astype(np.float64)
+        return np.concatenate([rate * work[:, _RATE_IDX], work], axis=1)
 
     def head_ms(self, pooled: np.ndarray) -> np.ndarray:
-        """[n] predicted ms of shards from their pooled encodings (at `self.batch_size`)."""
-        pooled = np.asarray(pooled, np.float32)
-        if self._add:  # layout: [sum of (E + 1) columns] (+ [max of (E + 1) columns] for sum_max)
-            e = self._enc_width
-            own = pooled[:, e]
-            parts = [pooled[:, :e]] + ([pooled[:, e + 1 : 2 * e + 1]] if self.reduction == "sum_max" else [])
-            out = _mlp(np.concatenate(parts, axis=1), self._head, relu_last=False)[:, 0] + own
-        else:
-            out = _mlp(pooled, self._head, relu_last=False)[:, 0]
-        return self.norm["compute"].to_ms(out)
+        """[n] predicted ms of shards from their summed encodings [n, R + E]."""
+        pooled = np.asarray(pooled, np.float64)
+        terms, work = pooled[:, :NUM_RATES], pooled[:, NUM_RATES:]
+        lw = np.clip(np.log1p(np.maximum(work, 0.0)), self._ctx_lo, self._ctx_hi)
+        h = _mlp((lw - self._ctx_mean) / self._ctx_std, self._context, relu_last=False)
+        return (terms * _bexp(h[:, :-1], CONTEXT_RANGE)).sum(1) + self._base_ms * _bexp(h[:, -1], CONTEXT_RANGE)
 
-    def compute_ms(self, shards: Sequence[Sequence[Table]]) -> np.ndarray:
-        """Predicted fused forward+backward ms of each shard set (empty set → 0)."""
-        flat = [t for s in shards for t in s]
-        counts = np.array([len(s) for s in shards], dtype=np.int64)
-        offsets = np.concatenate([[0], np.cumsum(counts)])
-        if not flat:
-            return np.zeros(len(shards))
-        pooled = self.pool(self.table_encodings(flat), offsets)
-        ms = self.head_ms(pooled)
-        ms[counts == 0] = 0.0
-        return ms
-
-    # ------------------------------------------------------------------ comm
     def _comm_net(self, kind: str, x: np.ndarray) -> np.ndarray:
         phi, rho = self._comm_layers[kind]
         h = _mlp(x, phi, relu_last=True)  # [n, D, E]
         ctx = np.concatenate([h.mean(1), h.max(1)], axis=-1)[:, None, :]
         z = np.concatenate([x, h, np.broadcast_to(ctx, h.shape[:2] + ctx.shape[2:])], axis=-1)
         return _mlp(z, rho, relu_last=False)[..., 0]
+
+    # ------------------------------------------------------------------ plans
+    def device_costs(self, task, plan) -> DeviceCosts:
+        """Simulated per-device costs of `plan` (the CostModel protocol), as the hardware
+        evaluator defines them, at the task's batch: compute per device; delay = compute −
+        min over devices; backward comm from widths; forward comm from widths and delays.
+        Tables without a reuse histogram get their imputed one."""
+        view, _ = planning_view(task)
+        p = self.at_batch(task.batch_size)
+        compute = p.compute_ms(device_pieces(view, plan))
+        widths = np.array(plan.device_widths(task.num_devices), dtype=np.float64)
+        fw, bw = p.comm_ms(widths, compute - compute.min())
+        return DeviceCosts(compute_ms=[float(x) for x in compute], forward_comm_ms=[float(x) for x in fw],
+                           backward_comm_ms=[float(x) for x in bw])
+
+    def envelope_report(self, task, plan) -> dict[str, Any]:
+        """How much of `plan` the models never saw: device shards outside the training
+        envelope (with the reasons), the all-to-all's, and the tables whose reuse histogram
+        was imputed."""
+        view, imputed = planning_view(task)
+        p = self.at_batch(task.batch_size)
+        per_device = p.envelope_reasons(device_pieces(view, plan))
+        compute = p.compute_ms(device_pieces(view, plan))
+        comm = self.envelope.check_comm(plan.device_widths(task.num_devices), list(compute - compute.min()), task.batch_size)
+        out = {d: r for d, r in enumerate(per_device) if r}
+        return {
+            "out_of_envelope_devices": len(out),
+            "devices": task.num_devices,
+            "reasons": {str(d): r for d, r in out.items()},
+            "comm_out_of_envelope": bool(comm),
+            "comm_reasons": comm,
+            "imputed_histograms": len(imputed),
+        }
+
+
+class BatchCostModels:
+    """The compute and comm models at one batch size: the `ShardPredictor` the NeuroShard
+    search talks to (`compute_ms`, `comm_ms`, and the incremental `table_encodings` /
+    `head_ms` over a SUM reduction). Per-piece encodings are cached per Table."""
+
+    reduction = "sum"
+
+    def __init__(self, models: NeuralCostModels, batch_size: int):
+        self.models = models
+        self.batch_size = int(batch_size)
+        self._cache: dict[int, tuple[Table, np.ndarray]] = {}
+        self.predictions = 0
+        self.out_of_envelope = 0
+
+    @property
+    def envelope(self) -> Envelope:
+        return self.models.envelope
+
+    def table_encodings(self, tables: Sequence[Table]) -> np.ndarray:
+        """[N, R + E] per-piece encodings; a shard's prediction is `head_ms(sum of its
+        pieces' encodings)`, so a search adds a piece to a device's running sum without
+        re-encoding anything. Cached by identity (hashing a Table hashes its histogram); an
+        entry holds its Table, so an id is not reused while cached."""
+        cache = self._cache
+        missing = {id(t): t for t in tables if cache.get(id(t), (None,))[0] is not t}
+        if missing:
+            if len(cache) > 1_000_000:
+                cache.clear()
+            todo = list(missing.values())
+            enc = self.models._encode(compute_features(todo, self.batch_size))
+            for t, e in zip(todo, enc):
+                cache[id(t)] = (t, e)
+        if not tables:
+            return np.zeros((0, NUM_RATES + NUM_EXTENSIVE))
+        return np.stack([cache[id(t)][1] for t in tables])
+
+    def head_ms(self, pooled: np.ndarray) -> np.ndarray:
+        return self.models.head_ms(pooled)
+
+    def compute_ms(self, shards: Sequence[Sequence[Table]]) -> np.ndarray:
+        """Predicted fused forward+backward ms of each shard (empty shard → 0)."""
+        flat = [t for s in shards for t in s]
+        counts = np.array([len(s) for s in shards], dtype=np.int64)
+        out = np.zeros(len(shards))
+        nz = np.flatnonzero(counts)
+        if nz.size == 0:
+            return out
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])[nz]
+        pooled = np.add.reduceat(self.table_encodings(flat), starts, axis=0)
+        out[nz] = self.head_ms(pooled)
+        self.predictions += len(nz)
+        return out
 
     def comm_ms(self, widths: np.ndarray, delays_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per-device (forward, backward) all-to-all ms of n configurations of D devices.
@@ -652,46 +776,14 @@ class NeuralCostModels:
         if w.shape[1] <= 1 or w.shape[0] == 0:
             z = np.zeros(w.shape)
             return (z[0], z[0].copy()) if squeeze else (z, z.copy())
-        xf = self.norm["forward_comm"].x(comm_features(w, dl, self.batch_size, with_delays=True))
-        xb = self.norm["backward_comm"].x(comm_features(w, None, self.batch_size, with_delays=False))
-        fw = self.norm["forward_comm"].to_ms(self._comm_net("forward_comm", xf))
-        bw = self.norm["backward_comm"].to_ms(self._comm_net("backward_comm", xb))
+        m = self.models
+        xf = m.norm["forward_comm"].x(comm_features(w, dl, self.batch_size, with_delays=True))
+        xb = m.norm["backward_comm"].x(comm_features(w, None, self.batch_size, with_delays=False))
+        fw = m.norm["forward_comm"].to_ms(m._comm_net("forward_comm", xf))
+        bw = m.norm["backward_comm"].to_ms(m._comm_net("backward_comm", xb))
         return (fw[0], bw[0]) if squeeze else (fw, bw)
 
-    # ------------------------------------------------------------------ simulator
-    def shard_table(self, table: Table, rows: int, dim: int) -> Table:
-        """A shard as the compute model sees it: the table at the shard's rows and width.
-        A row shard keeps its share of the lookups (pooling factor × rows share), as the
-        hardware backends feed it only the indices that fall in its rows."""
-        if rows == table.rows and dim == table.dim:
-            return table
-        pf = table.pooling_factor * (rows / table.rows)
-        return Table(name=table.name, rows=rows, dim=dim, pooling_factor=pf,
-                     reuse_histogram=table.reuse_histogram, bytes_per_element=table.bytes_per_element)
-
-    def device_costs(self, task, plan) -> DeviceCosts:
-        """Simulated per-device costs of `plan` (the CostModel protocol), as the hardware
-        evaluator defines them: compute per device; delay = compute − min over devices;
-        backward comm from widths; forward comm from widths and delays. Times are scaled
-        linearly when the task's batch size differs from the models'."""
-        d = task.num_devices
-        tables = task.table_by_name
-        shards = [[self.shard_table(tables[s.table], s.rows, s.dim) for s in plan.shards_on(k)] for k in range(d)]
-        compute = self.compute_ms(shards)
-        widths = np.array(plan.device_widths(d), dtype=np.float64)
-        fw, bw = self.comm_ms(widths, compute - compute.min())
-        ratio = self.batch_ratio(task.batch_size)
-        return DeviceCosts(
-            compute_ms=[float(x) for x in compute * ratio],
-            forward_comm_ms=[float(x) for x in fw * ratio],
-            backward_comm_ms=[float(x) for x in bw * ratio],
-        )
-
-    def batch_ratio(self, batch_size: int) -> float:
-        """Linear scale from the models' batch size to `batch_size` (warns once if != 1)."""
-        if batch_size != self.batch_size and not self._warned_batch:
-            warnings.warn(
-                f"neural cost models were trained at batch {self.batch_size}; scaling their times linearly "
-                f"to batch {batch_size}", stacklevel=3)
-            self._warned_batch = True
-        return batch_size / self.batch_size
+    def envelope_reasons(self, shards: Sequence[Sequence[Table]]) -> list[list[str]]:
+        """Per shard, why it lies outside the training envelope ([] when inside)."""
+        return [self.envelope.check_shard(compute_features(list(s), self.batch_size), self.batch_size) if s else []
+                for s in shards]

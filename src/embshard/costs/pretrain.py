@@ -4,8 +4,9 @@
 
 reads ``data_dir/compute.jsonl``, ``comm.jsonl`` and ``profile.json``, and writes to ``out_dir``:
 
-* ``cost_models.pt``: the three models, their normalisation, the hardware profile, batch
-  size, metrics and data summary (plain data: ``torch.load(weights_only=True)``);
+* ``cost_models.pt``: the three models, their normalisation, the training envelope
+  (`embshard.costs.envelope`), the hardware profile, metrics and data summary (plain data:
+  ``torch.load(weights_only=True)``);
 * ``metrics.json`` and ``metrics.csv``: RMSE, MAPE, R², Kendall τ per model and split (ms);
 * ``data_card.md``: the numbers for the checkpoint's data card;
 * ``logs/<model>/metrics.csv`` (Lightning's CSVLogger, per epoch) and ``wandb/`` (offline).
@@ -32,13 +33,15 @@ import time
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from collections import Counter
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from embshard.costs import neural as N
 from embshard.costs.collect import read_profile
+from embshard.costs.envelope import Envelope
 from embshard.errors import InputError
 from embshard.io import atomic_path, write_json_atomic, write_text_atomic
 
@@ -58,8 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "comm_val_fraction": 0.1,
     "comm_test_fraction": 0.1,
     "holdout_num_devices": 6,
-    "compute": {"encoder_hidden": 128, "encoder_out": 32, "head_hidden": 64, "reduction": "sum", "additive": False, "target": "ms",
-                "loss": "mse"},
+    "compute": {"hidden": 128, "hidden2": 64, "context_hidden": 32},
     "comm": {"hidden": 64, "embed": 32, "target": "ms"},
     "objective": "compute/val/kendall_tau",
     "progress": True,
@@ -204,14 +206,18 @@ def _make_keep_best(pl, monitor: str):
 
 
 def train_model(kind: str, net_hparams: dict[str, Any], train: Sequence[torch.Tensor], val: Sequence[torch.Tensor],
-                cfg: Mapping[str, Any], loggers: list, progress: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Fit one cost network with Lightning; return it at its best validation loss."""
+                cfg: Mapping[str, Any], loggers: list, progress: bool,
+                init: Callable[[torch.nn.Module], None] | None = None) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Fit one cost network with Lightning; return it at its best validation loss. `init`
+    prepares the fresh network from the training data (normalisation, scales)."""
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import EarlyStopping
     from torch.utils.data import DataLoader, TensorDataset
 
     pl.seed_everything(int(cfg["seed"]), workers=True, verbose=False)
     module = N.make_module(kind, net_hparams, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    if init is not None:
+        init(module.net)
     bs = int(cfg["batch_size"])
     gen = torch.Generator().manual_seed(int(cfg["seed"]))
     train_dl = DataLoader(TensorDataset(*train), batch_size=bs, shuffle=True, generator=gen)
@@ -247,9 +253,13 @@ def train_model(kind: str, net_hparams: dict[str, Any], train: Sequence[torch.Te
 
 
 @torch.no_grad()
-def predict_ms(net: torch.nn.Module, tensors: Sequence[torch.Tensor], norm: N.Normalization) -> np.ndarray:
-    x, mask = tensors[0], tensors[1]
-    return norm.to_ms(net(x, mask).numpy())
+def predict_compute_ms(net: torch.nn.Module, tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    return net(tensors[0], tensors[1]).double().numpy()
+
+
+@torch.no_grad()
+def predict_comm_ms(net: torch.nn.Module, tensors: Sequence[torch.Tensor], norm: N.Normalization) -> np.ndarray:
+    return norm.to_ms(net(tensors[0], tensors[1]).numpy())
 
 
 # ---------------------------------------------------------------------------------------
@@ -282,15 +292,16 @@ def resolve_config(cfg: Any) -> dict[str, Any]:
     if unknown:
         raise InputError(f"unknown cost-model pretrain setting(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     out = _merge(DEFAULTS, cfg)
-    if out["compute"]["reduction"] not in N.REDUCTIONS:
-        raise InputError(f"compute.reduction must be one of {N.REDUCTIONS}, got {out['compute']['reduction']!r}")
-    for k in ("compute", "comm"):
-        if out[k]["target"] not in N.TARGETS:
-            raise InputError(f"{k}.target must be one of {N.TARGETS}, got {out[k]['target']!r}")
+    unknown = set(out["compute"]) - set(DEFAULTS["compute"])
+    if unknown:
+        raise InputError(f"unknown compute-model setting(s) {sorted(unknown)}; known: {sorted(DEFAULTS['compute'])}")
+    for k, v in out["compute"].items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise InputError(f"compute.{k} must be a positive integer, got {v!r}")
+    if out["comm"]["target"] not in N.TARGETS:
+        raise InputError(f"comm.target must be one of {N.TARGETS}, got {out['comm']['target']!r}")
     if out["val_by"] not in ("samples", "tables"):
         raise InputError(f"val_by must be 'samples' or 'tables', got {out['val_by']!r}")
-    if out["compute"]["loss"] not in ("mse", "relative"):
-        raise InputError(f"compute.loss must be 'mse' or 'relative', got {out['compute']['loss']!r}")
     if int(out["max_epochs"]) < 1 or int(out["batch_size"]) < 1 or float(out["lr"]) <= 0:
         raise InputError("max_epochs and batch_size must be >= 1 and lr > 0")
     return out
@@ -319,9 +330,6 @@ def _pretrain(c: dict[str, Any], data_dir: Path, out_dir: Path) -> float:
     profile = read_profile(data_dir, require_hardware=False)
     compute_samples = N.load_compute_samples(data_dir / "compute.jsonl")
     comm_samples = N.load_comm_samples(data_dir / "comm.jsonl")
-    batch = N.most_common_batch(s.batch_size for s in compute_samples)
-    if any(s.batch_size != batch for s in compute_samples) or any(s.batch_size != batch for s in comm_samples):
-        log.warning("cost data mixes batch sizes; labels are scaled linearly to batch %d", batch)
     seed = int(c["seed"])
 
     # ---- splits
@@ -345,36 +353,40 @@ def _pretrain(c: dict[str, Any], data_dir: Path, out_dir: Path) -> float:
 
     loggers_for = _loggers(c, out_dir)
     try:
-        return _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, batch, tables, csplit, msplit, loggers_for)
+        return _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, tables, csplit, msplit, loggers_for)
     except BaseException:
         loggers_for.finish(None)
         raise
 
 
-def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, batch, tables, csplit, msplit, loggers_for) -> float:
+def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, tables, csplit, msplit, loggers_for) -> float:
     hold = c["holdout_num_devices"]
     metrics: dict[str, Any] = {}
     bundle: dict[str, Any] = {"format_version": N.FORMAT_VERSION, "normalization": {}}
     t_all = time.perf_counter()
 
     # ---- compute model
-    feats, y = N.compute_arrays(compute_samples, batch)
+    feats, y = N.compute_arrays(compute_samples)
     train_idx = csplit["train"]
-    norm = N.Normalization.fit(np.concatenate([feats[i] for i in train_idx]), y[train_idx], c["compute"]["target"])
-    tens = {k: N.compute_tensors([feats[i] for i in v], y[v], norm, c["compute"]["loss"]) for k, v in csplit.items() if v}
-    hp = {"in_features": N.NUM_FEATURES, **{k: c["compute"][k] for k in ("encoder_hidden", "encoder_out", "head_hidden", "reduction", "additive")}}
-    net, info = train_model("compute", hp, tens["train"], tens["val"], c, loggers_for("compute"), bool(c["progress"]))
+    tens = {k: N.compute_tensors([feats[i] for i in v], y[v]) for k, v in csplit.items() if v}
+    hp = dict(c["compute"])
+    init = lambda net: net.init_from_data([feats[i] for i in train_idx], y[train_idx])  # noqa: E731
+    net, info = train_model("compute", hp, tens["train"], tens["val"], c, loggers_for("compute"), bool(c["progress"]), init)
     m = dict(info)
-    for split, t in tens.items():
-        m[split] = regression_metrics(y[csplit[split]], predict_ms(net, t, norm))
-    m["by_num_tables"] = _by_num_tables(compute_samples, csplit.get("test") or csplit["val"], y, net, tens.get("test") or tens["val"], norm)
+    pred = {split: predict_compute_ms(net, t) for split, t in tens.items()}
+    for split in tens:
+        m[split] = regression_metrics(y[csplit[split]], pred[split])
+    held = "test" if "test" in tens else "val"
+    m["by_num_tables"] = _by_group(compute_samples, csplit[held], y, pred[held], _size_group)
+    m["by_origin"] = _by_group(compute_samples, csplit[held], y, pred[held], lambda s: s.origin)
+    m["by_batch"] = _by_group(compute_samples, csplit[held], y, pred[held], lambda s: str(s.batch_size))
     metrics["compute"] = m
     bundle["compute"] = {"state_dict": _plain_state(net), "hparams": hp}
-    bundle["normalization"]["compute"] = {**norm.to_dict(), "feature_names": list(N.COMPUTE_FEATURE_NAMES)}
+    bundle["normalization"]["compute"] = {"feature_names": list(N.COMPUTE_FEATURE_NAMES)}
 
     # ---- comm models
     for kind, direction in (("forward_comm", "forward"), ("backward_comm", "backward")):
-        feats_c, ys = N.comm_arrays(comm_samples, batch, direction)
+        feats_c, ys = N.comm_arrays(comm_samples, direction)
         tr = msplit["train"]
         norm_c = N.Normalization.fit(np.concatenate([feats_c[i] for i in tr]), np.concatenate([ys[i] for i in tr]),
                                      c["comm"]["target"])
@@ -384,7 +396,7 @@ def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, bat
         m = dict(info_c)
         for split, t in tens_c.items():
             mask = t[1].numpy() > 0
-            pred = predict_ms(net_c, t, norm_c)[mask]
+            pred = predict_comm_ms(net_c, t, norm_c)[mask]
             true = np.concatenate([ys[i] for i in msplit[split]])
             m[split] = regression_metrics(true, pred)
         metrics[kind] = m
@@ -393,9 +405,17 @@ def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, bat
         bundle["normalization"][kind] = {**norm_c.to_dict(), "feature_names": list(names)}
     metrics["train_seconds_total"] = round(time.perf_counter() - t_all, 2)
 
+    envelope = Envelope.fit(
+        [feats[i] for i in csplit["train"]], [compute_samples[i].batch_size for i in csplit["train"]],
+        [compute_samples[i].imputed_histograms for i in csplit["train"]],
+        sum(len(compute_samples[i].tables) for i in csplit["train"]),
+        [(comm_samples[i].widths, comm_samples[i].delays_ms, comm_samples[i].batch_size) for i in msplit["train"]],
+    )
+    batches = sorted({s.batch_size for s in compute_samples})
     data = {
         "source": str(data_dir),
-        "batch_size": batch,
+        "batch_sizes": batches,
+        "origins": dict(Counter(s.origin for s in compute_samples)),
         "compute_samples": {k: len(v) for k, v in csplit.items()},
         "comm_samples": {k: len(v) for k, v in msplit.items()},
         "comm_num_devices": sorted({s.num_devices for s in comm_samples}),
@@ -405,7 +425,7 @@ def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, bat
         "config": c,
         "host": platform.node(),
     }
-    bundle.update({"profile": profile, "batch_size": batch, "metrics": metrics, "data": data})
+    bundle.update({"profile": profile, "metrics": metrics, "data": data, "envelope": envelope.to_dict()})
     objective = _objective(metrics, str(c["objective"]))
     metrics["objective"] = {"name": c["objective"], "value": objective}
 
@@ -416,22 +436,27 @@ def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, bat
     write_json_atomic(out_dir / "metrics.json", {"metrics": metrics, "data": {k: v for k, v in data.items() if k != "tables"},
                                                  "heldout_tables": tables["test"], "val_tables": tables["val"]})
     write_text_atomic(out_dir / "metrics.csv", metrics_csv(metrics))
-    write_text_atomic(out_dir / "data_card.md", data_card(metrics, data, profile))
+    write_text_atomic(out_dir / "data_card.md", data_card(metrics, data, profile, envelope))
     loggers_for.finish(metrics)
     log.info("wrote %s (objective %s = %.4f)", ckpt, c["objective"], objective)
     return objective
 
 
-def _by_num_tables(samples, idx, y, net, tens, norm) -> dict[str, dict[str, float]]:
-    """Held-out metrics grouped by shard size (1-3, 4-7, 8-15, 16+ tables)."""
-    pred = predict_ms(net, tens, norm)
-    sizes = np.array([len(samples[i].tables) for i in idx])
-    out = {}
-    for lo, hi in ((1, 3), (4, 7), (8, 15), (16, 10**9)):
-        sel = (sizes >= lo) & (sizes <= hi)
-        if sel.sum() >= 2:
-            out[f"{lo}-{hi}" if hi < 10**9 else f"{lo}+"] = regression_metrics(y[np.array(idx)[sel]], pred[sel])
-    return out
+def _size_group(sample) -> str:
+    n = len(sample.tables)
+    for lo, hi in ((1, 3), (4, 7), (8, 15), (16, 40)):
+        if lo <= n <= hi:
+            return f"{lo}-{hi}"
+    return "41+"
+
+
+def _by_group(samples, idx, y, pred, key) -> dict[str, dict[str, float]]:
+    """Held-out metrics per group of samples (`key(sample)`: shard size, origin, batch)."""
+    groups: dict[str, list[int]] = {}
+    for j, i in enumerate(idx):
+        groups.setdefault(key(samples[i]), []).append(j)
+    idx = np.asarray(idx)
+    return {g: regression_metrics(y[idx[js]], np.asarray(pred)[js]) for g, js in sorted(groups.items()) if len(js) >= 2}
 
 
 def _objective(metrics: dict[str, Any], name: str) -> float:
@@ -505,7 +530,7 @@ def metrics_csv(metrics: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, Any]) -> str:
+def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, Any], envelope: Envelope) -> str:
     """Markdown numbers for the checkpoint's data card (the command is added by train.py's caller)."""
     cs, ms = data["compute_samples"], data["comm_samples"]
     t = data["tables"]
@@ -528,7 +553,7 @@ def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, 
     prof = "\n".join(f"- {k}: {v}" for k, v in hardware.items())
     return (
         "# Cost models: data card\n\n"
-        f"Created {data['created']} on host `{data['host']}` from `{data['source']}` (batch size {data['batch_size']}).\n\n"
+        f"Created {data['created']} on host `{data['host']}` from `{data['source']}`.\n\n"
         "## Hardware profile\n\n" + (prof or "- (empty)") + "\n\n"
         "## Samples\n\n"
         f"- compute shards: {cs.get('train', 0)} train / {cs.get('val', 0)} val / {cs.get('test', 0)} test "
@@ -536,7 +561,10 @@ def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, 
         f"val by {data['config']['val_by']}{val_tables})\n"
         f"- comm configurations: {ms.get('train', 0)} train / {ms.get('val', 0)} val / {ms.get('test', 0)} test, "
         f"plus {ms.get('heldout_devices', 0)} with D={data['holdout_num_devices']} never trained on; "
-        f"device counts in the data: {data['comm_num_devices']}\n\n"
+        f"device counts in the data: {data['comm_num_devices']}\n"
+        f"- where the compute shards came from: {data['origins']} (random: the collector's draws; an algorithm's "
+        "name: device shards of its plans, measured by the refine stage)\n\n"
+        + envelope_card(envelope) +
         "## Held-out accuracy (ms)\n\n"
         "| model | n | RMSE (ms) | MAPE (%) | R² | Kendall τ |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
         f"Training took {metrics.get('train_seconds_total', float('nan')):.0f} s.\n\n"
@@ -546,3 +574,26 @@ def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, 
         f"- these models: `python train.py stage=pretrain data_dir={data['source']} out_dir=<this folder>`\n"
         "- the shipped CPU checkpoint end to end: `make checkpoint`\n"
     )
+
+
+def envelope_card(env: Envelope) -> str:
+    """The training envelope as a markdown section (what the models never saw is outside it)."""
+    f = {k: v for k, v in env.features.items()}
+    exp_rng = lambda r: f"{math.exp(r.lo):.3g} .. {math.exp(r.hi):.3g}"  # noqa: E731
+    rows = [
+        ("batch sizes", ", ".join(str(b) for b in env.compute_batch_sizes)),
+        ("pieces per shard", f"{env.shard_pieces.lo:.0f} .. {env.shard_pieces.hi:.0f}"),
+        ("rows per piece", exp_rng(f["log_rows"])),
+        ("dim per piece", f"{2 ** f['log2_dim'].lo:.0f} .. {2 ** f['log2_dim'].hi:.0f}"),
+        ("pooling factor per piece", f"{math.expm1(f['log1p_pooling_factor'].lo):.3g} .. {math.expm1(f['log1p_pooling_factor'].hi):.3g}"),
+        ("lookups per shard and step (x 1e4)", f"{env.shard_sums['lookups_1e4'].lo:.3g} .. {env.shard_sums['lookups_1e4'].hi:.3g}"),
+        ("weight MB per shard", f"{env.shard_sums['weight_mb'].lo:.3g} .. {env.shard_sums['weight_mb'].hi:.3g}"),
+        ("reuse histograms of the pieces", f"{env.histograms['given']} measured, {env.histograms['imputed']} imputed"),
+        ("comm: device counts", ", ".join(str(d) for d in env.comm_devices)),
+        ("comm: batch", f"{env.comm_batch.lo:.0f} .. {env.comm_batch.hi:.0f}"),
+        ("comm: width per device (max)", f"{env.comm_width.hi:.0f}"),
+        ("comm: compute delay (max ms)", f"{env.comm_delay_ms.hi:.1f}"),
+    ]
+    return ("## Training envelope\n\nPredictions outside these ranges (2% tolerance) are counted and reported "
+            "(report.json, `envelope` per plan).\n\n| quantity | trained on |\n|---|---|\n"
+            + "\n".join(f"| {k} | {v} |" for k, v in rows) + "\n\n")
