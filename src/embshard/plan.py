@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -73,6 +75,10 @@ class Plan:
                 used[s.device] += task.shard_memory_bytes(tables[s.table], s.rows, s.dim)
         return used
 
+    def signature(self) -> tuple:
+        """Where every piece lives, whatever the algorithm's name or the shard order."""
+        return tuple(sorted((s.table, s.device, s.col_offset, s.dim, s.row_offset, s.rows) for s in self.shards))
+
     def to_dict(self) -> dict[str, Any]:
         return {"task": self.task, "algorithm": self.algorithm, "shards": [s.to_dict() for s in self.shards]}
 
@@ -93,6 +99,46 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
         return cls.from_dict(read_json(path), source=str(path))
+
+
+def even_row_layout(rows: int, parts: int) -> list[tuple[int, int]]:
+    """TorchRec's row-wise layout: (offset, size) per rank, blocks of ceil(rows/parts) (the
+    last ones may be short or empty)."""
+    block = math.ceil(rows / parts)
+    out = []
+    for i in range(parts):
+        start = min(i * block, rows)
+        out.append((start, min(block, rows - start)))
+    return out
+
+
+def piece_table(table: Table, shard: Shard) -> Table:
+    """The Table a cost model sees for one shard: the piece's rows × dim; a row slice also
+    gets the matching share of the pooling factor (the kernels feed it only the lookups that
+    fall in its rows) and keeps the table's reuse histogram (hot rows are scattered over the
+    row ids, so a slice's rows are reused like the table's)."""
+    if shard.rows == table.rows and shard.dim == table.dim:
+        return table
+    if shard.rows == table.rows:
+        return table.with_dim(shard.dim)
+    return Table(
+        name=table.name,
+        rows=shard.rows,
+        dim=shard.dim,
+        pooling_factor=table.pooling_factor * shard.rows / table.rows,
+        reuse_histogram=table.reuse_histogram,
+        bytes_per_element=table.bytes_per_element,
+        trace=table.trace,
+    )
+
+
+def device_pieces(task: Task, plan: Plan) -> list[list[Table]]:
+    """Each device's piece Tables under `plan` (see `piece_table`)."""
+    tables = task.table_by_name
+    per_device: list[list[Table]] = [[] for _ in range(task.num_devices)]
+    for s in plan.shards:
+        per_device[s.device].append(piece_table(tables[s.table], s))
+    return per_device
 
 
 def validate(task: Task, plan: Plan) -> None:
@@ -130,6 +176,10 @@ def validate(task: Task, plan: Plan) -> None:
         if not shards:
             raise PlanError(f"table {name!r} is not placed on any device")
         _check_exact_cover(t, shards)
+    for name, device, n in pieces_sharing_a_device(plan):
+        warnings.warn(f"plan {plan.algorithm!r}: table {name!r} has {n} pieces on device {device}; one kernel "
+                      "then looks each bag up once per piece (merge them: embshard.plan.normalize)",
+                      PlanWarning, stacklevel=2)
     used = plan.memory_bytes(task)
     for device, used_bytes in enumerate(used):
         if used_bytes > task.device_memory_bytes:
@@ -138,6 +188,74 @@ def validate(task: Task, plan: Plan) -> None:
                 f"device {device} needs {used_bytes} bytes but has {task.device_memory_bytes} "
                 f"(over by {used_bytes - task.device_memory_bytes} bytes); tables: {', '.join(names)}"
             )
+
+
+class PlanWarning(UserWarning):
+    """A valid plan that wastes work (e.g. two pieces of one table on one device)."""
+
+
+def pieces_sharing_a_device(plan: Plan) -> list[tuple[str, int, int]]:
+    """(table, device, number of pieces) wherever one device holds several pieces of a table."""
+    counts: dict[tuple[str, int], int] = {}
+    for s in plan.shards:
+        counts[(s.table, s.device)] = counts.get((s.table, s.device), 0) + 1
+    return [(t, d, n) for (t, d), n in counts.items() if n > 1]
+
+
+def normalize(task: Task, plan: Plan) -> Plan:
+    """The same placement with the pieces of one table on one device merged.
+
+    Column pieces (each spanning all rows) are laid out again so that every device's
+    columns of the table are contiguous: columns are interchangeable, so this changes no
+    device's work except that its kernel looks each bag up once, not once per piece. Row or
+    grid pieces on one device are merged where they are adjacent rectangles (row ids are not
+    interchangeable). Shards keep the order of their first appearance."""
+    if not pieces_sharing_a_device(plan):
+        return plan
+    tables = task.table_by_name
+    by_table: dict[str, list[Shard]] = {}
+    for s in plan.shards:
+        by_table.setdefault(s.table, []).append(s)
+    out: list[Shard] = []
+    for name, shards in by_table.items():
+        t = tables[name]
+        if all(s.row_offset == 0 and s.rows == t.rows for s in shards):
+            widths: dict[int, int] = {}
+            for s in sorted(shards, key=lambda s: s.col_offset):
+                widths[s.device] = widths.get(s.device, 0) + s.dim
+            off = 0
+            for dev, w in widths.items():
+                out.append(Shard(name, dev, off, w, 0, t.rows))
+                off += w
+        else:
+            out += _merge_adjacent(shards)
+    return Plan(plan.task, plan.algorithm, out)
+
+
+def _merge_adjacent(shards: Sequence[Shard]) -> list[Shard]:
+    merged = list(shards)
+    changed = True
+    while changed:
+        changed = False
+        for i, a in enumerate(merged):
+            for j in range(i + 1, len(merged)):
+                b = merged[j]
+                if a.device != b.device:
+                    continue
+                lo, hi = (a, b) if (a.row_offset, a.col_offset) <= (b.row_offset, b.col_offset) else (b, a)
+                if lo.row_offset == hi.row_offset and lo.rows == hi.rows and lo.col_offset + lo.dim == hi.col_offset:
+                    m = Shard(a.table, a.device, lo.col_offset, lo.dim + hi.dim, lo.row_offset, lo.rows)
+                elif lo.col_offset == hi.col_offset and lo.dim == hi.dim and lo.row_offset + lo.rows == hi.row_offset:
+                    m = Shard(a.table, a.device, lo.col_offset, lo.dim, lo.row_offset, lo.rows + hi.rows)
+                else:
+                    continue
+                merged[i] = m
+                del merged[j]
+                changed = True
+                break
+            if changed:
+                break
+    return merged
 
 
 def _check_exact_cover(table: Table, shards: Sequence[Shard]) -> None:

@@ -40,7 +40,7 @@ from typing import Sequence
 import torch
 
 from embshard.errors import InputError, PlanError
-from embshard.plan import Plan, Shard, validate
+from embshard.plan import Plan, Shard, even_row_layout, validate
 from embshard.task import Task
 
 #: The compute kernel every exported table uses: FBGEMM's fused table-batched kernel.
@@ -161,16 +161,6 @@ def plan_from_torchrec(
 
 
 # ---------------------------------------------------------------------------- export
-def _even_row_layout(rows: int, parts: int) -> list[tuple[int, int]]:
-    """TorchRec's row-wise layout: (offset, size) per rank, blocks of ceil(rows/parts)."""
-    block = math.ceil(rows / parts)
-    out = []
-    for i in range(parts):
-        start = min(i * block, rows)
-        out.append((start, min(block, rows - start)))
-    return out
-
-
 def _placement(rank: int, device_type: str, local_world_size: int) -> str:
     if device_type in ("cuda", "mtia"):
         return f"rank:{rank}/{device_type}:{rank % local_world_size}"
@@ -219,7 +209,7 @@ def _table_sharding(task: Task, table, shards: list[Shard], world_size: int, loc
 
 def _row_pieces(table, ordered: Sequence[Shard], col_off: int, cols: int, ranks: list[int]):
     """TorchRec's even row layout over `ranks` if `ordered` (by row offset) is exactly it."""
-    layout = _even_row_layout(table.rows, len(ranks))
+    layout = even_row_layout(table.rows, len(ranks))
     want = [(off, size, r) for (off, size), r in zip(layout, ranks) if size > 0]
     if [(s.row_offset, s.rows, s.device) for s in ordered] != want:
         return None

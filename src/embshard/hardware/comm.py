@@ -224,19 +224,22 @@ def _worker(rank, world, store_path, backend, payload, batch_size, warmups, repe
                 torch.cuda.synchronize(dev)
 
         split = batch_split(batch_size, world)
-        bufs = []
+        # one buffer per role, as big as the biggest config needs; each config uses views of
+        # them (a rank holds one config's worth of memory, not the sum over all configs)
+        plans = []
         for widths, delays in payload:
             w_me = widths[rank]
             # forward: send b_p × w_me to each p, receive b_me × w_p from each p
             f_in = [split[p] * w_me for p in range(world)]
             f_out = [split[rank] * widths[p] for p in range(world)]
-            send = torch.ones(sum(f_in), device=dev)
-            recv = torch.empty(sum(f_out), device=dev)
-            # backward: the reverse
-            g_send = torch.ones(sum(f_out), device=dev)
-            g_recv = torch.empty(sum(f_in), device=dev)
-            delay = delays[rank] / 1e3
-            bufs.append((send, recv, f_in, f_out, g_send, g_recv, delay))
+            plans.append((f_in, f_out, delays[rank] / 1e3))
+        n_in = max(sum(f_in) for f_in, _, _ in plans)
+        n_out = max(sum(f_out) for _, f_out, _ in plans)
+        send, g_recv = torch.ones(n_in, device=dev), torch.empty(n_in, device=dev)
+        recv, g_send = torch.empty(n_out, device=dev), torch.ones(n_out, device=dev)
+        # backward: the reverse
+        bufs = [(send[: sum(f_in)], recv[: sum(f_out)], f_in, f_out, g_send[: sum(f_out)], g_recv[: sum(f_in)], delay)
+                for f_in, f_out, delay in plans]
 
         fw = [[] for _ in payload]
         bw = [[] for _ in payload]

@@ -31,7 +31,7 @@ import numpy as np
 
 from embshard.costs.analytic import BYTES_PER_FLOAT, AnalyticCostModel
 from embshard.costs.base import DeviceCosts
-from embshard.plan import Plan, Shard
+from embshard.plan import Plan, device_pieces
 from embshard.tables import Table
 from embshard.task import Task
 
@@ -261,33 +261,6 @@ class Simulator:
         return DeviceCosts(compute_ms=compute.tolist(), forward_comm_ms=fw[0].tolist(), backward_comm_ms=bw[0].tolist())
 
 
-def shard_table(table: Table, shard: Shard) -> Table:
-    """The Table a predictor sees for one shard: the piece's rows × dim; a row slice also
-    gets the matching share of the pooling factor (it serves that share of the lookups)."""
-    if shard.rows == table.rows and shard.dim == table.dim:
-        return table
-    if shard.rows == table.rows:
-        return table.with_dim(shard.dim)
-    return Table(
-        name=table.name,
-        rows=shard.rows,
-        dim=shard.dim,
-        pooling_factor=table.pooling_factor * shard.rows / table.rows,
-        reuse_histogram=table.reuse_histogram,
-        bytes_per_element=table.bytes_per_element,
-        trace=table.trace,
-    )
-
-
-def plan_pieces(task: Task, plan: Plan) -> list[list[Table]]:
-    """Each device's piece Tables under `plan`."""
-    tables = task.table_by_name
-    per_device: list[list[Table]] = [[] for _ in range(task.num_devices)]
-    for s in plan.shards:
-        per_device[s.device].append(shard_table(tables[s.table], s))
-    return per_device
-
-
 class PredictorCostModel:
     """A CostModel (`device_costs(task, plan)`) that costs plans with a ShardPredictor
     through the cached `Simulator`."""
@@ -301,7 +274,7 @@ class PredictorCostModel:
 
     def device_costs(self, task: Task, plan: Plan) -> DeviceCosts:
         """Simulated costs at the task's batch (scaled linearly from the predictor's)."""
-        costs = self.simulator.device_costs(plan_pieces(task, plan))
+        costs = self.simulator.device_costs(device_pieces(task, plan))
         return scale_costs(costs, batch_ratio(self.predictor, task))
 
 
