@@ -252,16 +252,41 @@ def test_compute_draws_respect_the_cap_and_make_column_pairs():
         n = int(rng.integers(1, 16))
         s = col.draw_compute_shard(big, [4, 8, 16, 32, 64, 128], n, 64 << 20, 0.3, rng)
         assert 1 <= len(s) <= n
-        assert sum(t.rows * t.dim * 4 for t, _ in s) <= 64 << 20
+        assert sum(sh.rows * sh.dim * 4 for _, sh in s) <= 64 << 20
         names = [t.name for t, _ in s]
         for name in set(names):
-            same = [(t, off) for t, off in s if t.name == name]
+            same = [(t, sh) for t, sh in s if t.name == name]
             assert len(same) in (1, 2)
             if len(same) == 2:
                 pairs += 1
-                (a, oa), (b, ob) = same
-                assert a.dim == b.dim and {oa, ob} == {0, a.dim}
+                (a, sa), (b, sb) = same
+                assert a is b and sa.dim == sb.dim == a.dim // 2 and {sa.col_offset, sb.col_offset} == {0, a.dim // 2}
     assert pairs > 10
+
+
+def test_broad_draws_mix_generated_tables_row_blocks_and_the_lookup_cap():
+    from embshard.costs.features import with_histogram
+
+    rng = np.random.default_rng(1)
+    pool = [dict(name=f"p{i}", rows=50_000, pooling_factor=2.0) for i in range(40)]
+    gen = dict(min_rows=1000, max_rows=100_000, max_pooling=50.0, onehot_share=0.1, histogram_share=0.5)
+    seen = {"pool": 0, "generated": 0, "row": 0, "no_hist": 0}
+    for k in range(60):
+        s = col.draw_compute_shard(pool, [8, 16, 32], 12, 1 << 30, 0.0, rng, batch_size=4096, generated=gen,
+                                   pool_share=0.3, row_piece_prob=0.3, max_lookups=2e5, prefix=f"g{k}-")
+        lookups = sum(t.pooling_factor * sh.rows / t.rows * 4096 for t, sh in s)
+        assert lookups <= 2e5 or len(s) == 1
+        for t, sh in s:
+            seen["pool" if t.name.startswith("p") else "generated"] += 1
+            seen["no_hist"] += t.reuse_histogram is None
+            if sh.rows < t.rows:
+                seen["row"] += 1
+                rec = col.piece_record(t, sh, 4096)
+                # a row block serves its share of the lookups and keeps the table's histogram
+                assert rec["rows"] == sh.rows and rec["pooling_factor"] == pytest.approx(t.pooling_factor * sh.rows / t.rows)
+                assert tuple(rec["reuse_histogram"]) == with_histogram(t, 4096)[0].reuse_histogram
+                assert rec.get("histogram_imputed", False) == (t.reuse_histogram is None)
+    assert min(seen.values()) > 5, seen
 
 
 def test_comm_draws_cover_many_devices_and_both_placements():

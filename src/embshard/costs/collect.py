@@ -62,7 +62,7 @@ _KIND_CODE = {"compute": 0xC0, "comm": 0xC1}
 PROFILE = "profile.json"
 FORMAT_VERSION = 1
 _CHUNK_RE = re.compile(r"^rank(\d+)-chunk(\d+)\.jsonl$")
-_TABLE_KEYS = ("name", "rows", "dim", "pooling_factor", "reuse_histogram", "bytes_per_element")
+_TABLE_KEYS = ("name", "rows", "dim", "pooling_factor", "reuse_histogram", "bytes_per_element", "histogram_imputed")
 
 #: The defaults (conf/collect/cpu.yaml spells the same values out).
 DEFAULTS: dict[str, Any] = {
@@ -87,6 +87,14 @@ DEFAULTS: dict[str, Any] = {
         "column_halves": True,
         "pair_prob": 0.03,
         "max_bytes": 512 << 20,
+        "batch_sizes": None,
+        "pool_share": 1.0,
+        "pool_batch_sizes": None,
+        "generated": {"min_rows": 100, "max_rows": 5_000_000, "max_pooling": 200.0, "onehot_share": 0.15,
+                      "histogram_share": 0.5},
+        "row_piece_prob": 0.0,
+        "row_parts": [2, 4, 8, 16],
+        "max_lookups": None,
         "warmups": 2,
         "repetitions": 6,
         "rounds": 2,
@@ -100,6 +108,8 @@ DEFAULTS: dict[str, Any] = {
         "tables_per_device": [2.0, 15.0],
         "dims": [4, 8, 16, 32, 64, 128],
         "max_delay_ms": 20.0,
+        "batch_sizes": None,
+        "max_mb_per_rank": None,
         "backend": "gloo",
         "warmups": 2,
         "repetitions": 6,
@@ -146,7 +156,14 @@ def resolve_config(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
             for kk, vv in v.items():
                 if kk not in out[k]:
                     raise InputError(f"collect.{k}: unknown setting {kk!r}; known: {', '.join(sorted(out[k]))}")
-                out[k][kk] = vv
+                if isinstance(out[k][kk], dict) and isinstance(vv, dict):
+                    unknown = set(vv) - set(out[k][kk])
+                    if unknown:
+                        raise InputError(f"collect.{k}.{kk}: unknown setting(s) {sorted(unknown)}; "
+                                         f"known: {', '.join(sorted(out[k][kk]))}")
+                    out[k][kk] = {**out[k][kk], **vv}
+                else:
+                    out[k][kk] = vv
         else:
             out[k] = v
     _check_config(out)
@@ -163,6 +180,14 @@ def _dims(where: str, dims: Any) -> list[int]:
     if not isinstance(dims, list) or not dims or any(not _is_int(d) or d <= 0 or d % DIM_ALIGNMENT for d in dims):
         raise InputError(f"collect.{where} must be a list of positive multiples of {DIM_ALIGNMENT}, got {dims!r}")
     return sorted(set(int(d) for d in dims))
+
+
+def _batch_list(where: str, v: Any) -> list[int] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or any(not _is_int(b) or b <= 0 for b in v):
+        raise InputError(f"collect.{where} must be a list of positive integers (or null), got {v!r}")
+    return [int(b) for b in v]
 
 
 def _check_config(c: dict[str, Any]) -> None:
@@ -194,8 +219,28 @@ def _check_config(c: dict[str, Any]) -> None:
     if k["min_tables"] > k["max_tables"]:
         raise InputError(f"collect.compute.min_tables ({k['min_tables']}) > max_tables ({k['max_tables']})")
     k["dims"] = _dims("compute.dims", k["dims"])
-    if not isinstance(k["pair_prob"], (int, float)) or not 0 <= k["pair_prob"] <= 1:
-        raise InputError(f"collect.compute.pair_prob must be in [0, 1], got {k['pair_prob']!r}")
+    for f in ("pair_prob", "pool_share", "row_piece_prob"):
+        if not isinstance(k[f], (int, float)) or not 0 <= k[f] <= 1:
+            raise InputError(f"collect.compute.{f} must be in [0, 1], got {k[f]!r}")
+    k["batch_sizes"] = _batch_list("compute.batch_sizes", k["batch_sizes"])
+    k["pool_batch_sizes"] = _batch_list("compute.pool_batch_sizes", k["pool_batch_sizes"])
+    if k["max_lookups"] is not None:
+        _pos_int("compute.max_lookups", k["max_lookups"])
+    parts = k["row_parts"]
+    if not isinstance(parts, list) or not parts or any(not _is_int(x) or x < 2 for x in parts):
+        raise InputError(f"collect.compute.row_parts must be a list of integers >= 2, got {parts!r}")
+    g = k["generated"]
+    if not isinstance(g, dict):
+        raise InputError(f"collect.compute.generated must be a mapping, got {g!r}")
+    _pos_int("compute.generated.min_rows", g["min_rows"])
+    _pos_int("compute.generated.max_rows", g["max_rows"])
+    if g["min_rows"] > g["max_rows"]:
+        raise InputError(f"collect.compute.generated: min_rows ({g['min_rows']}) > max_rows ({g['max_rows']})")
+    if not isinstance(g["max_pooling"], (int, float)) or not 1 <= g["max_pooling"] < 1e5:
+        raise InputError(f"collect.compute.generated.max_pooling must be in [1, 1e5), got {g['max_pooling']!r}")
+    for f in ("onehot_share", "histogram_share"):
+        if not isinstance(g[f], (int, float)) or not 0 <= g[f] <= 1:
+            raise InputError(f"collect.compute.generated.{f} must be in [0, 1], got {g[f]!r}")
     m = c["comm"]
     for f in ("num_samples", "chunk_size", "min_devices", "max_devices"):
         _pos_int(f"comm.{f}", m[f], zero=(f == "num_samples"))
@@ -208,8 +253,15 @@ def _check_config(c: dict[str, Any]) -> None:
     if (not isinstance(tpd, list) or len(tpd) != 2 or any(not isinstance(x, (int, float)) for x in tpd)
             or not 0 < tpd[0] <= tpd[1]):
         raise InputError(f"collect.comm.tables_per_device must be [low, high] with 0 < low <= high, got {tpd!r}")
-    if not isinstance(m["max_delay_ms"], (int, float)) or not 0 <= m["max_delay_ms"] < 1e4:
-        raise InputError(f"collect.comm.max_delay_ms must be in [0, 10000), got {m['max_delay_ms']!r}")
+    md = m["max_delay_ms"]
+    if isinstance(md, list):  # a range: each chunk draws its own maximum, log-uniformly
+        if len(md) != 2 or any(not isinstance(x, (int, float)) for x in md) or not 0 < md[0] <= md[1] < 1e4:
+            raise InputError(f"collect.comm.max_delay_ms must be a number in [0, 10000) or [low, high], got {md!r}")
+    elif not isinstance(md, (int, float)) or not 0 <= md < 1e4:
+        raise InputError(f"collect.comm.max_delay_ms must be in [0, 10000), got {md!r}")
+    m["batch_sizes"] = _batch_list("comm.batch_sizes", m["batch_sizes"])
+    if m["max_mb_per_rank"] is not None and (not isinstance(m["max_mb_per_rank"], (int, float)) or m["max_mb_per_rank"] <= 0):
+        raise InputError(f"collect.comm.max_mb_per_rank must be a positive number, got {m['max_mb_per_rank']!r}")
     if m["backend"] not in ("gloo", "nccl"):
         raise InputError(f"collect.comm.backend must be gloo or nccl, got {m['backend']!r}")
 
@@ -268,43 +320,77 @@ def _split(entries: list[dict[str, Any]], holdout: Mapping[str, Any]) -> tuple[l
 
 # ----------------------------------------------------------------------------- draws
 def draw_compute_shard(entries: Sequence[dict[str, Any]], dims: Sequence[int], n: int, max_bytes: int,
-                       pair_prob: float, rng: np.random.Generator) -> list[tuple[Table, int]]:
-    """`n` kernel shards (table at a dim, column offset) from distinct pool tables, total
-    weight bytes <= max_bytes. With probability `pair_prob` a table enters as both column
-    halves (two shards of dim d/2 with the same name: one device holding both halves of a
-    column split). Fewer than `n` when the cap allows no more; at least one when any table fits.
+                       pair_prob: float, rng: np.random.Generator, *, batch_size: int = 4096,
+                       generated: Mapping[str, Any] | None = None, pool_share: float = 1.0,
+                       row_piece_prob: float = 0.0, row_parts: Sequence[int] = (2, 4, 8, 16),
+                       max_lookups: float | None = None, prefix: str = "g") -> list[tuple[Table, "Shard"]]:
+    """Up to `n` pieces of distinct tables for one kernel: (table, shard) pairs.
+
+    Each table comes from the pool (`entries`, with probability `pool_share`) or is
+    `embshard.data.tasks.generated_table` (`generated`: its distribution). A table enters whole, or with probability `pair_prob` as both column
+    halves (a device holding both halves of a column split), or with probability
+    `row_piece_prob` as one row block of TorchRec's even layout over k ranks (k from
+    `row_parts`; the block serves only the lookups that fall in its rows). The pieces'
+    weight bytes stay <= `max_bytes` and their lookups per step (pooling factor × rows share
+    × batch) <= `max_lookups`. At least one piece when any fits.
     """
-    chosen: list[tuple[Table, int]] = []
+    from embshard.data.tasks import generated_table
+    from embshard.plan import Shard, even_row_layout
+
+    chosen: list[tuple[Table, Shard]] = []
     used = 0
-    for i in rng.permutation(len(entries)):
+    work = 0.0
+    order = iter(rng.permutation(len(entries)).tolist()) if len(entries) else iter(())
+    for attempt in range(4 * n + 20):
         if len(chosen) >= n:
             break
-        e = entries[int(i)]
-        bpe = int(e.get("bytes_per_element", 4))
-        fits = [d for d in dims if used + e["rows"] * d * bpe <= max_bytes]
-        if not fits:
-            continue
-        d = int(rng.choice(dims))
-        if d not in fits:
-            d = int(rng.choice(fits))
-        pair = (len(chosen) + 2 <= n and d % 2 == 0 and (d // 2) % DIM_ALIGNMENT == 0
-                and rng.random() < pair_prob)
-        if pair:
-            t = _table(e, d // 2)
-            chosen += [(t, 0), (t, d // 2)]
+        if entries and (generated is None or rng.random() < pool_share):
+            i = next(order, None)
+            if i is None:
+                if generated is None:
+                    break
+                continue
+            e = entries[int(i)]
+            bpe = int(e.get("bytes_per_element", 4))
+            fits = [d for d in dims if used + e["rows"] * d * bpe <= max_bytes]
+            if not fits:
+                continue
+            d = int(rng.choice(dims))
+            if d not in fits:
+                d = int(rng.choice(fits))
+            table = _table(e, d)
         else:
-            chosen.append((_table(e, d), 0))
-        used += e["rows"] * d * bpe
+            table = generated_table(f"{prefix}{attempt}", batch_size, rng, dims=dims, **(generated or {}))
+        rows, row_off, share = table.rows, 0, 1.0
+        halves = (len(chosen) + 2 <= n and table.dim % 2 == 0 and (table.dim // 2) % DIM_ALIGNMENT == 0
+                  and rng.random() < pair_prob)
+        if not halves and row_piece_prob > 0 and rng.random() < row_piece_prob:
+            k = int(rng.choice(np.asarray(row_parts)))
+            blocks = [(off, size) for off, size in even_row_layout(table.rows, k) if size > 0]
+            row_off, rows = blocks[int(rng.integers(len(blocks)))]
+            share = rows / table.rows
+        nbytes = rows * table.dim * table.bytes_per_element
+        lookups = table.pooling_factor * share * batch_size
+        if used + nbytes > max_bytes or (max_lookups is not None and chosen and work + lookups > max_lookups):
+            continue
+        if halves:
+            h = table.dim // 2
+            chosen += [(table, Shard(table.name, 0, 0, h, 0, rows)), (table, Shard(table.name, 0, h, h, 0, rows))]
+        else:
+            chosen.append((table, Shard(table.name, 0, 0, table.dim, row_off, rows)))
+        used += nbytes
+        work += lookups
     return chosen
 
 
 def draw_widths(num_devices: int, dims: Sequence[int], tables_per_device: Sequence[float],
-                rng: np.random.Generator) -> list[int]:
+                rng: np.random.Generator, max_width: int | None = None) -> list[int]:
     """Per-device width sums of a random table placement.
 
     round(U(tables_per_device) × D) tables with random dims, placed in descending dim order;
     with probability `alpha` (drawn once, uniform in [0, 1]) a table goes to the device
-    with the smallest width so far (balanced), otherwise to a random device.
+    with the smallest width so far (balanced), otherwise to a random device. A table that
+    would take a device past `max_width` is left out.
     """
     n = max(1, int(round(rng.uniform(*tables_per_device) * num_devices)))
     ds = np.sort(rng.choice(np.asarray(dims), size=n))[::-1]
@@ -312,7 +398,11 @@ def draw_widths(num_devices: int, dims: Sequence[int], tables_per_device: Sequen
     widths = np.zeros(num_devices, dtype=np.int64)
     for d in ds:
         dev = int(np.argmin(widths)) if rng.random() < alpha else int(rng.integers(num_devices))
+        if max_width is not None and widths[dev] + d > max_width:
+            continue
         widths[dev] += int(d)
+    if not widths.any():
+        widths[0] = int(min(dims))
     return [int(w) for w in widths]
 
 
@@ -486,7 +576,7 @@ def _sample_error(s: Any) -> str | None:
             if not isinstance(t, dict) or set(t) - set(_TABLE_KEYS) or {"name", "rows", "dim", "pooling_factor"} - set(t):
                 return f"each table needs exactly the fields {list(_TABLE_KEYS)}"
             try:
-                Table.from_dict(t)
+                Table.from_dict({k: v for k, v in t.items() if k != "histogram_imputed"})
             except InputError as e:
                 return str(e)
         for key in ("median_ms", "spread_ms"):
@@ -725,7 +815,7 @@ def collect(
     return Collected(out, r, w, new_chunks, skipped, new_samples, seconds)
 
 
-def _table_record(t: Table) -> dict[str, Any]:
+def _table_record(t: Table) -> dict[str, Any]:  # the table fields a sample stores
     return {
         "name": t.name,
         "rows": t.rows,
@@ -736,44 +826,83 @@ def _table_record(t: Table) -> dict[str, Any]:
     }
 
 
+def _chunk_batch(section: Mapping[str, Any], default: int, rng: np.random.Generator) -> int:
+    """The batch size of one chunk: drawn from the section's `batch_sizes`, else `default`."""
+    sizes = section.get("batch_sizes")
+    return int(rng.choice(np.asarray(sizes))) if sizes else int(default)
+
+
+def piece_record(table: Table, shard: "Shard", batch_size: int) -> dict[str, Any]:
+    """The JSON record of one measured piece: the Table the cost models see for it (its rows
+    × dim, its share of the lookups), with the reuse histogram the features use; imputed
+    ones (`features.imputed_histogram`, from the whole table) are flagged."""
+    from embshard.costs.features import with_histogram
+    from embshard.plan import piece_table
+
+    full, imputed = with_histogram(table, batch_size)
+    rec = _table_record(piece_table(full, shard))
+    if imputed:
+        rec["histogram_imputed"] = True
+    return rec
+
+
 def _compute_chunk(c: dict[str, Any], chunk: int, train: list, test: list, dims: list[int],
                    device: str) -> list[dict[str, Any]]:
     from embshard.hardware.backends import ShardInput
     from embshard.hardware.compute import measure_compute
-    from embshard.plan import Shard
 
     k = c["compute"]
     rng = _chunk_rng(c["seed"], "compute", chunk)
+    batch = _chunk_batch(k, c["batch_size"], rng)
+    generated = k["generated"] if k["pool_share"] < 1 or not (train or test) else None
+    pool_share = k["pool_share"]
+    if k["pool_batch_sizes"] is not None and batch not in k["pool_batch_sizes"]:
+        # a pool table's histogram (and trace) describe it at the trace's batch only
+        pool_share = 0.0
+        generated = k["generated"]
     shards, splits = [], []
-    for _ in range(k["chunk_size"]):
-        side = "test" if test and rng.random() < c["holdout"]["sample_share"] else "train"
+    for i in range(k["chunk_size"]):
+        side = "test" if rng.random() < c["holdout"]["sample_share"] and (test or generated) else "train"
         entries = test if side == "test" else train
         n = int(rng.integers(k["min_tables"], k["max_tables"] + 1))
-        drawn = draw_compute_shard(entries, dims, n, k["max_bytes"], k["pair_prob"], rng)
+        cap = None
+        if k["max_lookups"] is not None:  # log-uniform in [cap/100, cap]: mostly small shards, some at the cap
+            cap = float(k["max_lookups"]) * math.exp(-rng.uniform(0.0, math.log(100.0)))
+        drawn = draw_compute_shard(entries, dims, n, k["max_bytes"], k["pair_prob"], rng, batch_size=batch,
+                                   generated=generated, pool_share=pool_share, row_piece_prob=k["row_piece_prob"],
+                                   row_parts=k["row_parts"], max_lookups=cap, prefix=f"g{chunk:06d}-{i:03d}-")
         if not drawn:
             raise InputError(f"collect: no {side} table fits under compute.max_bytes={k['max_bytes']} at any dim")
         shards.append(drawn)
         splits.append(side)
-    sets = [[ShardInput(t, Shard(t.name, 0, off, t.dim, 0, t.rows)) for t, off in s] for s in shards]
+    sets = [[ShardInput(t, sh) for t, sh in s] for s in shards]
     timings = measure_compute(
-        sets, c["batch_size"], backend=c["backend"], device=device, optimizer=c["optimizer"],
+        sets, batch, backend=c["backend"], device=device, optimizer=c["optimizer"],
         warmups=k["warmups"], repetitions=k["repetitions"], rounds=k["rounds"],
         seed=_measure_seed(c["seed"], "compute", chunk), max_cached_bytes=k["max_cached_bytes"],
         num_threads=c["num_threads"],
     )
     return [
-        {
-            "kind": "compute",
-            "id": f"compute-{chunk:06d}-{i:03d}",
-            "split": side,
-            "tables": [_table_record(t) for t, _ in s],
-            "batch_size": c["batch_size"],
-            "median_ms": tm.median_ms,
-            "spread_ms": tm.spread_ms,
-            "samples_ms": list(tm.samples_ms),
-        }
+        compute_record(f"compute-{chunk:06d}-{i:03d}", side, [piece_record(t, sh, batch) for t, sh in s], batch,
+                       tm.median_ms, tm.spread_ms, tm.samples_ms)
         for i, (s, side, tm) in enumerate(zip(shards, splits, timings))
     ]
+
+
+def compute_record(sample_id: str, split: str, tables: list[dict[str, Any]], batch_size: int, median_ms: float,
+                   spread_ms: float, samples_ms: Sequence[float] = (), **extra: Any) -> dict[str, Any]:
+    """One compute sample as the cost data stores it (`extra`: e.g. origin, task, round)."""
+    return {
+        "kind": "compute",
+        "id": sample_id,
+        "split": split,
+        "tables": tables,
+        "batch_size": batch_size,
+        "median_ms": float(median_ms),
+        "spread_ms": float(spread_ms),
+        "samples_ms": [float(x) for x in samples_ms],
+        **extra,
+    }
 
 
 def _comm_chunk(c: dict[str, Any], chunk: int) -> list[dict[str, Any]]:
@@ -782,28 +911,43 @@ def _comm_chunk(c: dict[str, Any], chunk: int) -> list[dict[str, Any]]:
     m = c["comm"]
     rng = _chunk_rng(c["seed"], "comm", chunk)
     d = int(rng.integers(m["min_devices"], m["max_devices"] + 1))
+    batch = _chunk_batch(m, c["batch_size"], rng)
+    max_width = None
+    if m["max_mb_per_rank"] is not None:
+        # a rank's buffers hold 2 x (batch x its width + its samples x total width) floats;
+        # a balanced config of width w per device: 16 x batch x w bytes <= the cap
+        max_width = max(4, int(m["max_mb_per_rank"] * 1e6 / (16.0 * batch) / 4) * 4)
+    md = m["max_delay_ms"]
+    if isinstance(md, list):
+        md = float(math.exp(rng.uniform(math.log(md[0]), math.log(md[1]))))
     configs = [
-        CommConfig.make(draw_widths(d, m["dims"], m["tables_per_device"], rng), draw_delays(d, m["max_delay_ms"], rng))
+        CommConfig.make(draw_widths(d, m["dims"], m["tables_per_device"], rng, max_width), draw_delays(d, md, rng))
         for _ in range(m["chunk_size"])
     ]
-    results = measure_comm(configs, c["batch_size"], warmups=m["warmups"], repetitions=m["repetitions"],
+    results = measure_comm(configs, batch, warmups=m["warmups"], repetitions=m["repetitions"],
                            backend=m["backend"], timeout_s=m["timeout_s"])
-    return [
-        {
-            "kind": "comm",
-            "id": f"comm-{chunk:06d}-{i:03d}",
-            "split": "train",
-            "num_devices": d,
-            "batch_size": c["batch_size"],
-            "widths": list(cfg.widths),
-            "delays_ms": list(cfg.delays_ms),
-            "forward_ms": res.forward_ms,
-            "backward_ms": res.backward_ms,
-            "forward_spread_ms": res.forward_spread_ms,
-            "backward_spread_ms": res.backward_spread_ms,
-        }
-        for i, (cfg, res) in enumerate(zip(configs, results))
-    ]
+    return [comm_record(f"comm-{chunk:06d}-{i:03d}", batch, cfg.widths, cfg.delays_ms, res.forward_ms, res.backward_ms,
+                        res.forward_spread_ms, res.backward_spread_ms) for i, (cfg, res) in enumerate(zip(configs, results))]
+
+
+def comm_record(sample_id: str, batch_size: int, widths: Sequence[int], delays_ms: Sequence[float],
+                forward_ms: Sequence[float], backward_ms: Sequence[float], forward_spread_ms: Sequence[float],
+                backward_spread_ms: Sequence[float], **extra: Any) -> dict[str, Any]:
+    """One comm sample as the cost data stores it (`extra`: e.g. origin, task, round)."""
+    return {
+        "kind": "comm",
+        "id": sample_id,
+        "split": "train",
+        "num_devices": len(widths),
+        "batch_size": batch_size,
+        "widths": [int(w) for w in widths],
+        "delays_ms": [float(x) for x in delays_ms],
+        "forward_ms": [float(x) for x in forward_ms],
+        "backward_ms": [float(x) for x in backward_ms],
+        "forward_spread_ms": [float(x) for x in forward_spread_ms],
+        "backward_spread_ms": [float(x) for x in backward_spread_ms],
+        **extra,
+    }
 
 
 def wait_for_ranks(got: Collected, timeout_hours: float = 168.0) -> None:

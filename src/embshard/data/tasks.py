@@ -10,6 +10,9 @@ and adds devices, memory and a batch size.
 * DreamShard-style (`dreamshard_tasks`): the pool is first split into disjoint train and
   test halves by a seeded shuffle (`split_pool`); training tasks use only train tables,
   evaluation tasks only test tables, so evaluation is on tables never seen in training.
+* User-style (`user_tasks`): no pool and no traces: tables given by rows, dim and pooling
+  factor as a user would bring them (`generated_table`), with or without a reuse histogram,
+  at any batch size and device count.
 
 Table names inside a task are the pool's (`t<pool index>`): unique, and the same table
 keeps its name across tasks. Everything is a function of the seed.
@@ -156,6 +159,93 @@ def _device_memory(tables: list[Table], num_devices: int, batch_size: int, optim
     mem = [probe.table_memory_bytes(t) for t in tables]
     need = max(slack * sum(mem) / num_devices, 1.05 * max(mem))
     return int(math.ceil(need / _MiB) * _MiB)
+
+
+def generated_table(name: str, batch_size: int, rng: np.random.Generator, *, dims: Sequence[int] = DIMS,
+                    min_rows: int = 100, max_rows: int = 5_000_000, min_pooling: float = 1.0,
+                    max_pooling: float = 200.0, onehot_share: float = 0.15, histogram_share: float = 0.5) -> Table:
+    """A table like those users bring, given by rows, dim and pooling factor: rows
+    log-uniform in [min_rows, max_rows]; a one-hot pooling factor in (0.5, 1] with probability
+    `onehot_share`, else log-uniform in [min_pooling, max_pooling]; a dim from `dims`. With
+    probability `histogram_share` it carries the reuse histogram the synthetic model expects at
+    `batch_size` for a Zipf exponent drawn like the calibrated mixture's (its mean for the
+    rows plus per-table noise); otherwise none (cost models impute one; kernels draw from the
+    same law)."""
+    from embshard.data import synthetic as syn
+
+    rows = int(round(math.exp(rng.uniform(math.log(min_rows), math.log(max_rows)))))
+    if rng.random() < onehot_share:
+        pf = float(rng.uniform(0.5, 1.0))
+    else:
+        pf = float(math.exp(rng.uniform(math.log(min_pooling), math.log(max_pooling))))
+    dim = int(rng.choice(np.asarray(dims)))
+    hist = None
+    if rng.random() < histogram_share:
+        zipf = float(np.clip(syn.expected_zipf(rows) + syn.DEFAULT_PARAMS.zipf_std * rng.standard_normal(), 0.0, 3.0))
+        bins, _ = syn.expected_table_bins(rows, zipf, syn.DEFAULT_Q, pf * batch_size, ratio=1.15)
+        if bins.sum() > 0:
+            hist = tuple(round(float(x), 6) for x in bins / bins.sum())
+    return Table(name, rows, dim, round(pf, 4), hist)
+
+
+def user_tasks(
+    num_tasks: int,
+    *,
+    seed: int = 0,
+    min_tables: int = 20,
+    max_tables: int = 40,
+    num_devices: int | Sequence[int] = (2, 4, 8),
+    batch_sizes: Sequence[int] = (8192, 16384),
+    memory_slack: float | Sequence[float] = 1.5,
+    optimizer: str = "sgd",
+    name_prefix: str = "user",
+    out_dir: str | os.PathLike | None = None,
+    cycle: bool = False,
+    max_lookups_per_device: float | None = None,
+    **table_distribution: Any,
+) -> list[Task]:
+    """Tasks of generated tables (`generated_table`; `table_distribution` are its keyword
+    arguments): a uniform number of tables in [min_tables, max_tables], a device count and a
+    batch size drawn per task (`cycle`: taken in turn instead, every combination equally often), device memory `memory_slack` × an even share of the task's
+    training memory (at least 1.05 × its largest table; a [low, high] slack is drawn per task).
+    Every table name is unique (`<task>-t<i>`). `max_lookups_per_device`: a task whose lookups
+    per step (Σ pooling factor × batch) exceed this × its devices is drawn again (keeps the
+    measuring time of a plan bounded)."""
+    num_tasks = _pos_int("num_tasks", num_tasks)
+    min_tables, max_tables = _pos_int("min_tables", min_tables), _pos_int("max_tables", max_tables)
+    if min_tables > max_tables:
+        raise InputError(f"min_tables ({min_tables}) > max_tables ({max_tables})")
+    devices = [num_devices] if _is_int(num_devices) else list(num_devices)
+    batches = [batch_sizes] if _is_int(batch_sizes) else list(batch_sizes)
+    if not devices or not batches:
+        raise InputError("num_devices and batch_sizes must be non-empty")
+    devices = [_pos_int("num_devices", d) for d in devices]
+    batches = [_pos_int("batch_sizes", b) for b in batches]
+    slack = [memory_slack] * 2 if isinstance(memory_slack, (int, float)) else list(memory_slack)
+    if len(slack) != 2 or not 0 < slack[0] <= slack[1]:
+        raise InputError(f"memory_slack must be > 0 or [low, high], got {memory_slack!r}")
+    if "dims" in table_distribution:
+        table_distribution["dims"] = _check_dims(table_distribution["dims"])
+    rng = np.random.default_rng([int(seed), 0x05E4])
+    tasks = []
+    for i in range(num_tasks):
+        name = f"{name_prefix}-{i:04d}"
+        for _ in range(100):
+            n = int(rng.integers(min_tables, max_tables + 1))
+            batch = int(batches[(i // len(devices)) % len(batches)] if cycle else rng.choice(batches))
+            tables = [generated_table(f"{name}-t{k}", batch, rng, **table_distribution) for k in range(n)]
+            d = int(devices[i % len(devices)] if cycle else rng.choice(devices))
+            lookups = sum(t.pooling_factor for t in tables) * batch
+            if max_lookups_per_device is None or lookups <= max_lookups_per_device * d:
+                break
+        else:
+            raise InputError(f"user_tasks: no task within max_lookups_per_device={max_lookups_per_device} in 100 draws")
+        mem = _device_memory(tables, d, batch, optimizer, float(rng.uniform(*slack)))
+        tasks.append(Task(name=name, num_devices=d, device_memory_bytes=mem, batch_size=batch,
+                          tables=tuple(tables), optimizer=optimizer))
+    if out_dir is not None:
+        write_tasks(tasks, out_dir)
+    return tasks
 
 
 def neuroshard_tasks(
