@@ -182,7 +182,7 @@ def test_width_cap_balances_widths():
 
     tables = [Table(f"t{i}", 1000, 16, 1.0) for i in range(6)]
     task = make_task(tables, 3, slack=3.0)
-    plan = sharder(predictor=Flat(), column_wise=False, caps=[1.0]).shard(task)
+    plan = sharder(predictor=Flat(), column_wise=False, row_wise=False, caps=[1.0]).shard(task)
     assert plan.device_widths(3) == [32, 32, 32]
 
 
@@ -217,10 +217,11 @@ def test_column_splits_cover_every_table_exactly_once():
 
 
 def test_halving_keeps_offsets_aligned():
-    state = (("a", 0, 64), ("b", 0, 8))
-    s1 = halve(state, ("a", 0, 64))
-    assert s1 == (("a", 0, 32), ("a", 32, 32), ("b", 0, 8))
-    assert halve(s1, ("a", 32, 32)) == (("a", 0, 32), ("a", 32, 16), ("a", 48, 16), ("b", 0, 8))
+    state = (("a", 0, 64, -1, 0), ("b", 0, 8, -1, 0))
+    s1 = halve(state, ("a", 0, 64, -1, 0))
+    assert s1 == (("a", 0, 32, -1, 0), ("a", 32, 32, -1, 0), ("b", 0, 8, -1, 0))
+    assert halve(s1, ("a", 32, 32, -1, 0)) == (("a", 0, 32, -1, 0), ("a", 32, 16, -1, 0), ("a", 48, 16, -1, 0),
+                                                 ("b", 0, 8, -1, 0))
 
 
 def test_table_bigger_than_one_device_is_split_to_fit():
@@ -242,9 +243,16 @@ def test_infeasible_task_names_the_table_and_the_shortfall():
         sharder().shard(task)
     assert e.value.table in ("a", "b") and e.value.shortfall_bytes > 0
     assert e.value.table in str(e.value) and "short by" in str(e.value)
-    # dim 4 cannot be halved: a too-big dim-4 table stays infeasible
-    thin = Table("thin", 2_000_000, 4, 1.0)
+    # dim 4 cannot be halved: a too-big dim-4 table is split by rows, and when even its row
+    # blocks do not fit it stays infeasible
+    thin = Table("thin", 2_000_000, 4, 1.0)  # 32 MB of weights, 8 MB per row block on 4 devices
     task = make_task([thin], 4, memory=20_000_000)
+    plan = sharder().shard(task)
+    assert sorted(s.device for s in plan.shards) == [0, 1, 2, 3] and {s.rows for s in plan.shards} == {500_000}
+    with pytest.raises(InfeasibleError) as e:
+        sharder(row_wise=False).shard(task)
+    assert e.value.table == "thin" and e.value.shortfall_bytes > 0
+    task = make_task([thin], 4, memory=6_000_000)
     with pytest.raises(InfeasibleError) as e:
         sharder().shard(task)
     assert e.value.table == "thin" and e.value.shortfall_bytes > 0
@@ -369,7 +377,7 @@ def test_search_object_reports_infeasible_only_after_trying_splits():
     task = make_task([big], 4, memory=7_000_000)  # one half needs 4.8 MB + I/O; whole 9.6 MB
     search = NeuroShardSearch(task, Simulator(AnalyticPredictor(batch_size=BATCH)))
     state, best = search.run()
-    assert state == (("big", 0, 4), ("big", 4, 4))
+    assert state == (("big", 0, 4, -1, 0), ("big", 4, 4, -1, 0))
     assert len(set(best.devices)) == 2
 
 

@@ -1,30 +1,44 @@
-"""NeuroShard's search: table-wise greedy grid and column-wise beam search against a
-shard predictor (pre-trained neural cost models, or the analytic stand-in).
+"""NeuroShard's search: table-wise greedy grid and a beam search over column and row splits,
+against a shard predictor (pre-trained neural cost models, or the analytic stand-in), with an
+optional measured guard.
 
 Table-wise greedy (one run per balance cap s in `caps`, default 1.00, 1.05, …, 1.50):
 pieces are placed in descending predicted single-piece cost; a device is allowed when the
-piece fits its memory and its width sum + the piece's dim ≤ s × (total width / D); among
-the allowed devices the one whose WHOLE shard, re-predicted with the piece added, is
-cheapest wins (ties: less memory used, then lower index). All candidate shards of one
-placement go to the predictor in one batched call, and every shard prediction is cached
-by the multiset of its pieces, so runs for different caps share their common prefix. When
-no device passes the width cap, any device with memory room is allowed. Memory goes
-through the foundation's `MemoryLedger.place` with this preference order (then the
-width-capped-out devices, least used memory first), so a placement that would leave the
-remaining pieces unpackable is skipped. The plan with the lowest simulated plan cost over
-all caps is kept.
+piece fits its memory, its width sum + the piece's dim ≤ s × (total width / D), and it holds
+no other piece of the same table (pieces of one table on one device would only repeat the
+lookups); among the allowed devices the one whose WHOLE shard, re-predicted with the piece
+added, is cheapest wins (ties: less memory used, then lower index). All candidate shards of
+one placement go to the predictor in one batched call, and every shard prediction is cached
+by the multiset of its pieces, so runs for different caps share their common prefix. When no
+device passes the width cap, any device with memory room is allowed. Memory goes through the
+foundation's `MemoryLedger` with this preference order, so a placement that would leave the
+remaining pieces unpackable is skipped. The plan with the lowest simulated plan cost over all
+caps is kept.
 
-Column-wise beam search: a step halves one piece's dim (both halves keep rows, pooling
-factor and histogram; a piece is halvable when its dim is a multiple of 8, so halves stay
-multiples of 4). From each of the `beam_width` best states, the candidates are the top
-`candidates` halvable pieces by memory ∪ the top `candidates` by predicted cost; every
-candidate state is scored by the full table-wise greedy; the best plan seen anywhere
-(including no split at all) wins. When the table-wise greedy cannot fit the task, the
-offending table's largest piece is halved until it fits (or cannot be halved further:
-InfeasibleError naming the table and the shortfall).
+Beam search over splits. A step either halves one piece's dim (both halves keep rows,
+pooling factor and histogram; a piece is halvable when its dim is a multiple of 8, so halves
+stay multiples of 4), or makes one whole table row-wise: TorchRec's layout, even blocks of
+ceil(rows / n) rows on the n devices of its group (all devices; with several hosts, the
+devices of one host: table-row-wise), each block serving its share of the lookups and
+sending its full width in the all-to-all (TorchRec reduces the partial sums; the volume is
+that of an all-to-all of the full width). From each of the `beam_width` best states, the
+candidates are the top `candidates` halvable pieces by memory ∪ by predicted cost, and the
+top `candidates` whole tables by predicted cost for a row split; every candidate state is
+scored by the full table-wise greedy; the best plan seen anywhere (including no split)
+wins. When the table-wise greedy cannot fit the task, the offending table's largest piece is
+halved until it fits (or cannot be halved further: InfeasibleError naming the table and the
+shortfall).
+
+Every plan comes out normalised (`embshard.plan.normalize`: a table's pieces on one device
+merged) and is costed as normalised. The search keeps its `top_k` best distinct plans.
+
+**Guard** (`verify=K`, with a hardware evaluator attached): the K best plans of the search and
+the plans of the `verify_heuristics` are measured on the hardware, interleaved, and the
+measured best is returned; the search's own pick stays available (`last_search_pick`) so the
+model's quality stays visible. The measuring time counts in the search time.
 
 Scaling: the greedy is O(pieces × devices) predictions per cap, made in one batched call per
-placement. The beam multiplies that by up to beam_steps × beam_width × 2·candidates, so it
+placement. The beam multiplies that by up to beam_steps × beam_width × 3·candidates, so it
 only runs when pieces × devices ≤ `beam_max_work` (default 8192, e.g. 60 tables × 128
 devices or 856 × 8); bigger tasks get the table-wise grid plus memory-forced splits.
 """
@@ -34,15 +48,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from embshard.costs.base import DeviceCosts
+from embshard.costs.features import planning_view
 from embshard.errors import InfeasibleError, InputError
-from embshard.plan import MemoryLedger, Plan, Shard, validate
+from embshard.plan import MemoryLedger, Plan, Shard, even_row_layout, normalize, piece_table, validate
 from embshard.search.simulator import AnalyticPredictor, ShardPredictor, Simulator, batch_ratio, scale_costs
 from embshard.tables import DIM_ALIGNMENT, Table
 from embshard.task import Task
@@ -53,24 +68,31 @@ ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CAPS: tuple[float, ...] = tuple(round(1.0 + 0.05 * i, 2) for i in range(11))
 INCREMENTAL_MIN_DEVICES = 16
 BUILD_COMMAND = "python train.py stage=pretrain"
+FREE = -1  # a piece the greedy places (all rows); >= 0: a row block fixed on that device
 
-#: A piece spec: (table name, col_offset, dim); a search state is a sorted tuple of them.
-PieceSpec = tuple[str, int, int]
+#: A piece spec: (table name, col_offset, dim, device of a row block or FREE, number of row
+#: blocks of its table or 0); a search state is a sorted tuple of them.
+PieceSpec = tuple[str, int, int, int, int]
 
 
 @dataclass
 class _Piece:
     spec: PieceSpec
     table: Table      # the task's table
-    ptable: Table     # the table at the piece's dim (what the predictor sees)
+    ptable: Table     # the piece as the predictor sees it (its rows, dim, lookups share)
     pid: int          # simulator id of ptable
     need: int         # memory bytes on a device
+    shard: Shard      # where it lives when fixed (device ignored for free pieces)
     single_ms: float = 0.0
     enc: np.ndarray | None = None  # the predictor's table encoding (incremental mode)
 
     @property
     def dim(self) -> int:
         return self.spec[2]
+
+    @property
+    def fixed(self) -> int:
+        return self.spec[3]
 
 
 @dataclass
@@ -81,6 +103,16 @@ class GreedyResult:
     devices: list[int]          # device of each piece, in `pieces` order
     pieces: list[_Piece]
     costs: DeviceCosts
+    cap: float
+
+
+@dataclass
+class Candidate:
+    """One distinct plan the search found, with its predicted cost."""
+
+    cost_ms: float
+    state: tuple[PieceSpec, ...]
+    devices: list[int]
     cap: float
 
 
@@ -99,11 +131,24 @@ def halvable(dim: int) -> bool:
 
 
 def halve(state: tuple[PieceSpec, ...], spec: PieceSpec) -> tuple[PieceSpec, ...]:
-    name, off, dim = spec
+    name, off, dim, dev, parts = spec
+    if dev != FREE:
+        raise ValueError(f"a row block cannot be halved: {spec}")
     half = dim // 2
     rest = list(state)
     rest.remove(spec)
-    rest += [(name, off, half), (name, off + half, half)]
+    rest += [(name, off, half, FREE, 0), (name, off + half, half, FREE, 0)]
+    return tuple(sorted(rest))
+
+
+def row_split(state: tuple[PieceSpec, ...], spec: PieceSpec, group: Sequence[int]) -> tuple[PieceSpec, ...]:
+    """`state` with the whole table `spec` split by rows over the devices of `group`."""
+    name, off, dim, dev, _ = spec
+    if dev != FREE or off != 0:
+        raise ValueError(f"only a whole table can be split by rows: {spec}")
+    rest = list(state)
+    rest.remove(spec)
+    rest += [(name, 0, dim, d, len(group)) for d in group]
     return tuple(sorted(rest))
 
 
@@ -266,7 +311,10 @@ class _PooledDevices:
 
 
 class NeuroShardSearch:
-    """The search for one task against one simulator (see the module docstring)."""
+    """The search for one task against one simulator (see the module docstring).
+
+    `task` is the planning view (every table with a reuse histogram, imputed where missing;
+    `embshard.costs.features.planning_view`); plans name the same tables."""
 
     def __init__(
         self,
@@ -277,8 +325,10 @@ class NeuroShardSearch:
         beam_steps: int = 10,
         candidates: int = 10,
         column_wise: bool = True,
+        row_wise: bool = True,
         beam_max_work: int | None = 8192,
         incremental: bool | str = "auto",
+        top_k: int = 1,
     ):
         if not caps:
             raise InputError("neuroshard: caps must not be empty")
@@ -289,12 +339,19 @@ class NeuroShardSearch:
         self.beam_steps = int(beam_steps)
         self.candidates = int(candidates)
         self.column_wise = bool(column_wise)
+        self.row_wise = bool(row_wise)
         self.beam_max_work = beam_max_work
+        self.top_k = max(1, int(top_k))
         self._tables = task.table_by_name
         self._pieces: dict[PieceSpec, _Piece] = {}
-        self._scores: dict[tuple[PieceSpec, ...], GreedyResult | InfeasibleError] = {}
+        self._scores: dict[tuple, GreedyResult | InfeasibleError] = {}
+        self._top: list[tuple[float, tuple, Candidate]] = []  # (cost, signature, candidate), sorted
         self.greedy_runs = 0
         self.beam_ran = False
+        d, per_host = task.num_devices, task.devices_per_host or task.num_devices
+        self.row_groups: list[tuple[int, ...]] = (
+            [tuple(range(d))] if per_host >= d else
+            [tuple(range(h, min(h + per_host, d))) for h in range(0, d, per_host)])
         if incremental == "auto":  # few devices: the shard cache hits more than running sums save
             incremental = task.num_devices >= INCREMENTAL_MIN_DEVICES
         self.incremental = bool(incremental) and supports_incremental(simulator.predictor)
@@ -309,12 +366,7 @@ class NeuroShardSearch:
         incremental mode) in one batched call each."""
         new = [spec for spec in dict.fromkeys(state) if spec not in self._pieces]
         if new:
-            made = []
-            for spec in new:
-                name, _, dim = spec
-                t = self._tables[name]
-                pt = t if dim == t.dim else t.with_dim(dim)
-                made.append(_Piece(spec, t, pt, self.sim.piece_id(pt), self.task.shard_memory_bytes(t, t.rows, dim)))
+            made = [self._make_piece(spec) for spec in new]
             single = self.sim.shard_costs([(p.pid,) for p in made], lambda i: [made[i].ptable])
             encs = self.sim.predictor.table_encodings([p.ptable for p in made]) if self.incremental else None
             for i, p in enumerate(made):
@@ -324,36 +376,54 @@ class NeuroShardSearch:
                 self._pieces[p.spec] = p
         return [self._pieces[spec] for spec in state]
 
+    def _make_piece(self, spec: PieceSpec) -> _Piece:
+        name, off, dim, dev, parts = spec
+        t = self._tables[name]
+        if dev == FREE:
+            shard = Shard(name, 0, off, dim, 0, t.rows)
+        else:
+            row_off, rows = even_row_layout(t.rows, parts)[dev % parts]
+            shard = Shard(name, dev, off, dim, row_off, rows)
+        pt = piece_table(t, shard)
+        need = self.task.shard_memory_bytes(t, shard.rows, dim)
+        return _Piece(spec, t, pt, self.sim.piece_id(pt), need, shard)
+
     # ------------------------------------------------------------------ table-wise
-    def greedy(self, state: tuple[PieceSpec, ...]) -> GreedyResult:
-        """Best plan over all caps for a piece set (cached per state); raises InfeasibleError."""
-        got = self._scores.get(state)
+    def greedy(self, state: tuple[PieceSpec, ...], caps: tuple[float, ...] | None = None) -> GreedyResult:
+        """Best plan over `caps` (default: all) for a piece set (cached); raises InfeasibleError."""
+        caps = self.caps if caps is None else caps
+        key = (state, caps)
+        got = self._scores.get(key)
         if got is None:
             try:
-                got = self._greedy(state)
+                got = self._greedy(state, caps)
             except InfeasibleError as e:
                 got = e
-            self._scores[state] = got
+            self._scores[key] = got
         if isinstance(got, InfeasibleError):
             raise got
         return got
 
-    def _greedy(self, state: tuple[PieceSpec, ...]) -> GreedyResult:
+    def _greedy(self, state: tuple[PieceSpec, ...], caps: tuple[float, ...]) -> GreedyResult:
         self.greedy_runs += 1
         pieces = self.pieces_of(state)
-        order = sorted(range(len(pieces)), key=lambda i: (-pieces[i].single_ms, -pieces[i].need, pieces[i].spec))
+        fixed = [i for i, p in enumerate(pieces) if p.fixed != FREE]
+        free = [i for i, p in enumerate(pieces) if p.fixed == FREE]
+        order = sorted(free, key=lambda i: (-pieces[i].single_ms, -pieces[i].need, pieces[i].spec))
         ordered = [pieces[i] for i in order]
         total_width = sum(p.dim for p in pieces)
         d = self.task.num_devices
         runs: list[tuple[float, list[int], np.ndarray, np.ndarray]] = []
         first_error: InfeasibleError | None = None
-        for cap in self.caps:
+        for cap in sorted(caps):
             try:
-                devices, compute, widths = self._place(ordered, cap * total_width / d)
+                devices, compute, widths, bound = self._place([pieces[i] for i in fixed], ordered, cap * total_width / d)
             except InfeasibleError as e:
                 first_error = first_error or e
                 continue
             runs.append((cap, devices, compute, widths))
+            if not bound:  # the cap never changed a decision: every larger cap places the same
+                break
         if not runs:
             assert first_error is not None
             raise first_error
@@ -361,108 +431,201 @@ class NeuroShardSearch:
         widths = np.stack([r[3] for r in runs])
         fw, bw = self.sim.comm(widths, compute)
         totals = (compute + fw + bw).max(axis=1)
+        per_run = []
+        for r, (cap, placed, _, _) in enumerate(runs):
+            devices = [0] * len(pieces)
+            for i in fixed:
+                devices[i] = pieces[i].fixed
+            for i, dev in zip(order, placed):
+                devices[i] = dev
+            per_run.append(devices)
+            self._consider(float(totals[r]), state, pieces, devices, cap)
         best = int(np.argmin(totals))  # first (smallest) cap among equals
-        cap, placed, _, _ = runs[best]
-        devices = [0] * len(pieces)
-        for i, dev in zip(order, placed):
-            devices[i] = dev
         costs = DeviceCosts(compute_ms=compute[best].tolist(), forward_comm_ms=fw[best].tolist(),
                             backward_comm_ms=bw[best].tolist())
-        return GreedyResult(float(totals[best]), devices, pieces, costs, cap)
+        return GreedyResult(float(totals[best]), per_run[best], pieces, costs, runs[best][0])
 
-    def _place(self, ordered: list[_Piece], cap_width: float) -> tuple[list[int], np.ndarray, np.ndarray]:
+    def _consider(self, cost: float, state, pieces: list[_Piece], devices: list[int], cap: float) -> None:
+        """Keep the `top_k` cheapest distinct plans (distinct after merging a table's pieces
+        on one device)."""
+        if len(self._top) >= self.top_k and cost >= self._top[-1][0]:
+            return
+        width: dict[tuple[str, int, bool], int] = {}
+        for p, dev in zip(pieces, devices):
+            key = (p.spec[0], dev, p.fixed != FREE)
+            width[key] = width.get(key, 0) + p.dim
+        sig = tuple(sorted(width.items()))
+        for i, (c, s, _) in enumerate(self._top):
+            if s == sig:
+                if cost < c:
+                    del self._top[i]
+                    break
+                return
+        self._top.append((cost, sig, Candidate(cost, state, list(devices), cap)))
+        self._top.sort(key=lambda x: x[0])
+        del self._top[self.top_k:]
+
+    def _place(self, fixed: list[_Piece], ordered: list[_Piece],
+               cap_width: float) -> tuple[list[int], np.ndarray, np.ndarray, bool]:
+        """One greedy run under a width cap: (device per piece of `ordered`, compute per
+        device, width per device, whether the cap ever excluded a device with room)."""
         task = self.task
         d = task.num_devices
         ledger = MemoryLedger(task)
         free = np.full(d, task.device_memory_bytes, dtype=np.int64)
-        ahead = LookAhead(free, [p.need for p in ordered])
         widths = np.zeros(d, dtype=np.int64)
         devs = _PooledDevices(self.sim, d, self._enc_dim) if self.incremental else _KeyedDevices(self.sim, d)
+        for p in fixed:  # row blocks: their device is part of the state
+            if free[p.fixed] < p.need:
+                raise ledger.nowhere(p.table, p.need)
+            ledger.take(p.fixed, p.need)
+            free[p.fixed] -= p.need
+            widths[p.fixed] += p.dim
+            devs.add(p.fixed, p, -1)
+        ahead = LookAhead(free, [p.need for p in ordered])
+        names = [p.table.name for p in ordered]
+        split = {n for n in names if names.count(n) > 1}
+        holds: dict[str, np.ndarray] = {n: np.zeros(d, dtype=bool) for n in split}
         placed: list[int] = []
+        bound = False
         for i, p in enumerate(ordered):
             room = free >= p.need
             if not room.any():
                 raise ledger.nowhere(p.table, p.need)
+            held = holds.get(p.table.name)
+            if held is not None and (room & ~held).any():  # never two pieces of a table on a device when avoidable
+                room &= ~held
             ok = room & (widths + p.dim <= cap_width)
             capped = bool(ok.any())
-            cand = np.flatnonzero(ok if capped else room)
+            if capped:
+                bound = bound or bool((ok != room).any())
+                cand = ok.nonzero()[0]
+            else:
+                bound = True
+                cand = room.nonzero()[0]
             c = devs.costs(cand, p)
             preference = cand[np.lexsort((cand, -free[cand], c))].tolist()
             if capped:  # over the width cap, but usable when the look-ahead needs them
-                rest = np.flatnonzero(room & ~ok)
+                rest = (room & ~ok).nonzero()[0]
                 preference += rest[np.argsort(-free[rest], kind="stable")].tolist()
             dev = ahead.choose(i, free, preference)
             ledger.take(dev, p.need)
             free[dev] -= p.need
             widths[dev] += p.dim
-            hit = np.flatnonzero(cand == dev)
+            if held is not None:
+                held[dev] = True
+            hit = (cand == dev).nonzero()[0]
             devs.add(dev, p, int(hit[0]) if hit.size else -1)
             placed.append(dev)
-        return placed, devs.cost, widths
+        return placed, devs.cost, widths, bound
 
-    # ------------------------------------------------------------------ column-wise
+    # ------------------------------------------------------------------ splits
     def initial_state(self) -> tuple[PieceSpec, ...]:
-        return tuple(sorted((t.name, 0, t.dim) for t in self.task.tables))
+        return tuple(sorted((t.name, 0, t.dim, FREE, 0) for t in self.task.tables))
 
     def rescue(self, state: tuple[PieceSpec, ...]) -> tuple[tuple[PieceSpec, ...], GreedyResult]:
-        """The greedy on `state`, halving the offending table's largest piece while it
-        does not fit; re-raises the InfeasibleError when no piece of it can be halved."""
+        """The greedy on `state`; while a table does not fit, halve its largest piece, and
+        when no piece of it can be halved any more, split it by rows over a device group
+        (TorchRec row-wise or table-row-wise). Re-raises the InfeasibleError when nothing
+        fits."""
         while True:
             try:
                 return state, self.greedy(state)
             except InfeasibleError as e:
-                options = [s for s in state if s[0] == e.table and halvable(s[2])]
-                if not options:
+                options = [s for s in state if s[0] == e.table and s[3] == FREE and halvable(s[2])]
+                if options:
+                    largest = max(options, key=lambda s: (s[2], -s[1]))
+                    log.info("neuroshard: %s does not fit whole; halving piece %s", e.table, largest)
+                    state = halve(state, largest)
+                    continue
+                if not self.row_wise or any(s[0] == e.table and s[3] != FREE for s in state):
                     raise
-                largest = max(options, key=lambda s: (s[2], -s[1]))
-                log.info("neuroshard: %s does not fit whole; halving piece %s", e.table, largest)
-                state = halve(state, largest)
+                t = self._tables[e.table]
+                whole = tuple(sorted([s for s in state if s[0] != e.table] + [(t.name, 0, t.dim, FREE, 0)]))
+                for group in sorted(self.row_groups, key=len, reverse=True):
+                    try:
+                        nxt = row_split(whole, (t.name, 0, t.dim, FREE, 0), group)
+                        log.info("neuroshard: %s does not fit in column pieces; splitting it by rows over %s",
+                                 e.table, group)
+                        return self.rescue(nxt)
+                    except InfeasibleError as again:
+                        if again.table != e.table:
+                            raise
+                raise
 
     def beam_allowed(self, state: tuple[PieceSpec, ...]) -> bool:
-        if not self.column_wise or self.beam_steps <= 0 or self.beam_width <= 0 or self.candidates <= 0:
+        if not (self.column_wise or self.row_wise) or self.beam_steps <= 0 or self.beam_width <= 0 or self.candidates <= 0:
             return False
         return self.beam_max_work is None or len(state) * self.task.num_devices <= self.beam_max_work
 
+    def moves(self, state: tuple[PieceSpec, ...]) -> list[tuple[PieceSpec, ...]]:
+        """The states one split away that the beam scores (see the module docstring)."""
+        pieces = [p for p in self.pieces_of(state) if p.fixed == FREE]
+        out: dict[tuple[PieceSpec, ...], None] = {}
+        if self.column_wise:
+            halv = [p for p in pieces if halvable(p.dim)]
+            by_size = sorted(halv, key=lambda p: (-p.need, p.spec))[: self.candidates]
+            by_cost = sorted(halv, key=lambda p: (-p.single_ms, p.spec))[: self.candidates]
+            for p in by_size + by_cost:
+                out[halve(state, p.spec)] = None
+        if self.row_wise and self.task.num_devices > 1:
+            split = {p.spec[0] for p in pieces if p.dim != p.table.dim}
+            whole = [p for p in pieces if p.spec[0] not in split and p.table.rows >= len(self.row_groups[0])]
+            for p in sorted(whole, key=lambda p: (-p.single_ms, p.spec))[: self.candidates]:
+                for group in self.row_groups:
+                    out[row_split(state, p.spec, group)] = None
+        return list(out)
+
     def run(self) -> tuple[tuple[PieceSpec, ...], GreedyResult]:
+        """Greedy grid on the unsplit tables, then the beam: every move is screened by one
+        greedy run at its parent's best cap, and the `beam_width` best are scored over the
+        full grid of caps (and become the next beam)."""
         state, best = self.rescue(self.initial_state())
         best_state = state
         if not self.beam_allowed(state):
             return best_state, best
         self.beam_ran = True
-        beam = [(best.cost_ms, state)]
+        beam = [(best.cost_ms, state, best.cap)]
         seen = {state}
         for _ in range(self.beam_steps):
-            scored: list[tuple[float, tuple[PieceSpec, ...], GreedyResult]] = []
-            for _, st in beam:
-                pieces = [p for p in self.pieces_of(st) if halvable(p.dim)]
-                by_size = sorted(pieces, key=lambda p: (-p.need, p.spec))[: self.candidates]
-                by_cost = sorted(pieces, key=lambda p: (-p.single_ms, p.spec))[: self.candidates]
-                picks = {p.spec: None for p in by_size + by_cost}
-                for spec in picks:
-                    nxt = halve(st, spec)
+            screened: list[tuple[float, tuple[PieceSpec, ...]]] = []
+            for _, st, cap in beam:
+                for nxt in self.moves(st):
                     if nxt in seen:
                         continue
                     seen.add(nxt)
                     try:
-                        r = self.greedy(nxt)
+                        screened.append((self.greedy(nxt, (cap,)).cost_ms, nxt))
                     except InfeasibleError:
                         continue
-                    scored.append((r.cost_ms, nxt, r))
-            if not scored:
+            if not screened:
                 break
+            screened.sort(key=lambda x: (x[0], len(x[1]), x[1]))
+            scored = []
+            for _, st in screened[: self.beam_width]:
+                r = self.greedy(st)
+                scored.append((r.cost_ms, st, r))
             scored.sort(key=lambda x: (x[0], len(x[1]), x[1]))
-            beam = [(c, st) for c, st, _ in scored[: self.beam_width]]
+            beam = [(c, st, r.cap) for c, st, r in scored]
             if scored[0][0] < best.cost_ms:
                 best, best_state = scored[0][2], scored[0][1]
         return best_state, best
 
+    def candidate_plans(self, name: str) -> list[tuple[Plan, float]]:
+        """The `top_k` distinct plans found (normalised), cheapest predicted first, with the
+        predicted cost the search saw. Call after `run`."""
+        out = []
+        for _, _, c in self._top:
+            pieces = self.pieces_of(c.state)
+            shards = [Shard(p.table.name, dev, p.spec[1], p.dim, p.shard.row_offset, p.shard.rows)
+                      for p, dev in sorted(zip(pieces, c.devices), key=lambda x: x[0].spec)]
+            out.append((normalize(self.task, Plan(self.task.name, name, shards)), c.cost_ms))
+        return out
+
     def plan(self, name: str) -> tuple[Plan, GreedyResult]:
+        """The best plan (normalised) and the greedy result it came from."""
         _, best = self.run()
-        shards = [
-            Shard(p.table.name, dev, p.spec[1], p.dim, 0, p.table.rows)
-            for p, dev in sorted(zip(best.pieces, best.devices), key=lambda x: x[0].spec)
-        ]
-        return Plan(self.task.name, name, shards), best
+        return self.candidate_plans(name)[0][0], best
 
 
 # ----------------------------------------------------------------------------- sharder
@@ -472,15 +635,34 @@ def resolve_path(path: str | os.PathLike) -> Path:
     return p if p.is_absolute() else ROOT / p
 
 
+@dataclass
+class GuardResult:
+    """What the measured guard did for one task (report.json: `guard`)."""
+
+    candidates: list[dict[str, Any]]   # label, source, predicted_ms, measured_ms, spread_ms
+    chosen: str
+    search_pick: str
+    measure_seconds: float
+    changed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.changed = self.chosen != self.search_pick
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"candidates": self.candidates, "chosen": self.chosen, "search_pick": self.search_pick,
+                "changed": self.changed, "measure_seconds": self.measure_seconds}
+
+
 class NeuroShardSharder:
-    """NeuroShard (`search=neuroshard`): greedy grid + column beam against cost models.
+    """NeuroShard (`search=neuroshard`): greedy grid + split beam against cost models.
 
     Args:
         checkpoint: the pre-trained cost models (`NeuralCostModels.load`); relative paths
             resolve against the project root. None: the analytic stand-in.
-        beam_width, beam_steps, candidates: the column-wise beam search.
+        beam_width, beam_steps, candidates: the beam search over splits.
         caps: balance caps on per-device embedding width (× the even share).
-        column_wise: run the beam search (memory-forced splits happen regardless).
+        column_wise: column halvings in the beam (memory-forced splits happen regardless).
+        row_wise: row splits (TorchRec row-wise, or table-row-wise per host) in the beam.
         beam_max_work: run the beam only when pieces × devices ≤ this (None: always).
         fallback: when the checkpoint file is missing or cannot be loaded, "analytic"
             warns and uses the analytic model; "error" raises InputError.
@@ -490,8 +672,14 @@ class NeuroShardSharder:
             additive reduction (the neural bundle, the analytic adapter), keep running
             per-device reductions instead of re-predicting whole shards (same costs, far
             fewer operations); False: always go through `compute_ms` and the cache; "auto":
-            incremental from INCREMENTAL_MIN_DEVICES devices up (below, the cache of whole
-            shard predictions hits often enough to be cheaper).
+            incremental from INCREMENTAL_MIN_DEVICES devices up.
+        verify: the measured guard: measure this many of the search's best plans, plus the
+            `verify_heuristics`' plans, on the attached evaluator and return the measured
+            best. "auto": 3 when an evaluator is attached (shard.py attaches one with
+            evaluate=measured), else off. 0: off.
+        verify_heuristics: greedy baselines (conf/search names: size_greedy, dim_greedy,
+            lookup_greedy, size_lookup_greedy) whose plans the guard measures too.
+        verify_rounds: interleaving rounds of the guard's measurement.
     """
 
     def __init__(
@@ -502,12 +690,16 @@ class NeuroShardSharder:
         candidates: int = 10,
         caps: Sequence[float] = DEFAULT_CAPS,
         column_wise: bool = True,
+        row_wise: bool = True,
         beam_max_work: int | None = 8192,
         fallback: str = "analytic",
         name: str = "neuroshard",
         predictor: ShardPredictor | None = None,
         delay_round_ms: float = 0.01,
         incremental: bool | str = "auto",
+        verify: int | str = "auto",
+        verify_heuristics: Sequence[str] = ("size_lookup_greedy", "lookup_greedy", "dim_greedy", "size_greedy"),
+        verify_rounds: int = 3,
     ):
         if fallback not in ("analytic", "error"):
             raise InputError(f"neuroshard: fallback must be 'analytic' or 'error', got {fallback!r}")
@@ -517,12 +709,23 @@ class NeuroShardSharder:
         caps = tuple(float(c) for c in caps)
         if not caps or any(not np.isfinite(c) or c <= 0 for c in caps):
             raise InputError(f"neuroshard: caps must be positive numbers, got {list(caps)}")
+        if verify != "auto" and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
+            raise InputError(f"neuroshard: verify must be 'auto' or an integer >= 0, got {verify!r}")
+        from embshard.search.baselines import COST_KEYS
+
+        keys = {f"{k}_greedy": k for k in COST_KEYS}
+        unknown = [h for h in verify_heuristics if h not in keys]
+        if unknown:
+            raise InputError(f"neuroshard: unknown verify_heuristics {unknown}; choose from {sorted(keys)}")
+        if int(verify_rounds) < 1:
+            raise InputError(f"neuroshard: verify_rounds must be >= 1, got {verify_rounds!r}")
         self.checkpoint = None if checkpoint in (None, "") else str(checkpoint)
         self.beam_width = int(beam_width)
         self.beam_steps = int(beam_steps)
         self.candidates = int(candidates)
         self.caps = caps
         self.column_wise = bool(column_wise)
+        self.row_wise = bool(row_wise)
         self.beam_max_work = None if beam_max_work is None else int(beam_max_work)
         self.fallback = fallback
         self.name = name
@@ -530,6 +733,11 @@ class NeuroShardSharder:
         if incremental not in (True, False, "auto"):
             raise InputError(f"neuroshard: incremental must be true, false or auto, got {incremental!r}")
         self.incremental = incremental
+        self.verify = verify
+        self.verify_heuristics = tuple(verify_heuristics)
+        self._heuristic_keys = keys
+        self.verify_rounds = int(verify_rounds)
+        self.evaluator: Any = None
         self._predictor = predictor
         self._loaded = predictor is not None
         self._simulators: dict[int, Simulator] = {}
@@ -537,11 +745,13 @@ class NeuroShardSharder:
         self.last_predicted_cost_ms: float | None = None
         self.last_costs: DeviceCosts | None = None
         self.last_stats: dict[str, object] = {}
+        self.last_guard: GuardResult | None = None
+        self.last_search_pick: Plan | None = None
 
     # ------------------------------------------------------------------ predictor
     def load_predictor(self) -> ShardPredictor | None:
-        """The neural predictor from the checkpoint (once), or None for the analytic
-        stand-in. Raises InputError when fallback="error" and it cannot be had."""
+        """The neural models from the checkpoint (once), or None for the analytic stand-in.
+        Raises InputError when fallback="error" and they cannot be had."""
         if self._loaded:
             return self._predictor
         self._loaded = True
@@ -555,56 +765,113 @@ class NeuroShardSharder:
                 raise InputError(msg)
             log.warning("%s (searching against the analytic cost model instead)", msg)
             return None
-        try:
-            from embshard.costs.neural import NeuralCostModels
-        except ImportError as e:
-            msg = f"neuroshard: cannot load {path}: neural cost models unavailable ({e})"
-            if self.fallback == "error":
-                raise InputError(msg) from None
-            log.warning("%s (searching against the analytic cost model instead)", msg)
-            return None
+        from embshard.costs.neural import NeuralCostModels
+
         self._predictor = NeuralCostModels.load(path)
         return self._predictor
 
     def simulator_for(self, task: Task) -> Simulator:
+        """The cached simulator at the task's batch size (neural models bind one per batch)."""
         predictor = self.load_predictor()
-        if predictor is None:  # analytic stand-in at the task's batch
-            key = -int(task.batch_size)
-            if key not in self._simulators:
-                self._simulators[key] = Simulator(AnalyticPredictor(batch_size=task.batch_size), self.delay_round_ms)
-            return self._simulators[key]
-        if 0 not in self._simulators:
-            pb = getattr(predictor, "batch_size", None)
-            if pb and pb != task.batch_size:
-                log.info("neuroshard: cost models predict batch %d; task %r has batch %d (memory uses the task's)",
-                         pb, task.name, task.batch_size)
-            self._simulators[0] = Simulator(predictor, self.delay_round_ms)
-        return self._simulators[0]
+        b = int(task.batch_size)
+        if b not in self._simulators:
+            if predictor is None:
+                p: ShardPredictor = AnalyticPredictor(batch_size=b)
+            elif callable(getattr(predictor, "at_batch", None)):
+                p = predictor.at_batch(b)
+            else:
+                p = predictor
+            self._simulators[b] = Simulator(p, self.delay_round_ms)
+        return self._simulators[b]
+
+    def attach_evaluator(self, evaluator: Any) -> None:
+        """The hardware the guard measures on (`HardwareEvaluator`); None detaches it."""
+        self.evaluator = evaluator
+
+    @property
+    def verify_count(self) -> int:
+        if self.verify == "auto":
+            return 3 if self.evaluator is not None else 0
+        return int(self.verify)
 
     # ------------------------------------------------------------------ Sharder
     def search(self, task: Task) -> NeuroShardSearch:
+        view, _ = planning_view(task)
         return NeuroShardSearch(
-            task, self.simulator_for(task), caps=self.caps, beam_width=self.beam_width,
+            view, self.simulator_for(task), caps=self.caps, beam_width=self.beam_width,
             beam_steps=self.beam_steps, candidates=self.candidates, column_wise=self.column_wise,
-            beam_max_work=self.beam_max_work, incremental=self.incremental,
+            row_wise=self.row_wise, beam_max_work=self.beam_max_work, incremental=self.incremental,
+            top_k=max(1, self.verify_count),
         )
+
+    def predicted_costs(self, task: Task, plan: Plan) -> DeviceCosts:
+        """The costs the search's models predict for any plan of `task` (at its batch)."""
+        from embshard.plan import device_pieces
+
+        sim = self.simulator_for(task)
+        view, _ = planning_view(task)
+        return scale_costs(sim.device_costs(device_pieces(view, plan)), batch_ratio(sim.predictor, task))
 
     def shard(self, task: Task) -> Plan:
         start = time.perf_counter()
         search = self.search(task)
-        plan, best = search.plan(self.name)
-        validate(task, plan)
+        search.run()
+        found = search.candidate_plans(self.name)
+        for plan, _ in found:
+            validate(task, plan)
+        plan = found[0][0]
+        self.last_search_pick = plan
+        self.last_guard = None
+        k = self.verify_count
+        if k > 0:
+            if self.evaluator is None:
+                raise InputError("neuroshard: verify > 0 needs a hardware evaluator (shard.py evaluate=measured attaches "
+                                 "one; or set searchers.neuroshard.verify=0)")
+            plan = self._guard(task, found[:k], start)
         self.last_search_seconds = time.perf_counter() - start
-        ratio = batch_ratio(search.sim.predictor, task)
-        self.last_costs = scale_costs(best.costs, ratio)
+        self.last_costs = self.predicted_costs(task, plan)
         self.last_predicted_cost_ms = self.last_costs.plan_cost_ms
         self.last_stats = {
             "greedy_runs": search.greedy_runs,
             "incremental": search.incremental,
             "beam": search.beam_ran,
-            "pieces": len(best.pieces),
-            "cap": best.cap,
+            "pieces": len(plan.shards),
+            "row_wise_tables": len({s.table for s in plan.shards if s.rows < task.table_by_name[s.table].rows}),
             **vars(search.sim.stats),
         }
-        log.debug("neuroshard %s: %.1f ms predicted, %s", task.name, best.cost_ms, self.last_stats)
+        log.debug("neuroshard %s: %.1f ms predicted, %s", task.name, self.last_predicted_cost_ms, self.last_stats)
         return plan
+
+    def _guard(self, task: Task, found: list[tuple[Plan, float]], start: float) -> Plan:
+        """Measure the search's best plans and the heuristics' plans; return the measured best."""
+        from embshard.errors import EmbshardError
+        from embshard.search.baselines import GreedySharder
+
+        labelled: list[tuple[str, str, Plan]] = [(f"{self.name}#{i + 1}", "search", p) for i, (p, _) in enumerate(found)]
+        for h in self.verify_heuristics:
+            try:
+                hp = GreedySharder(self._heuristic_keys[h], name=h).shard(task)
+                validate(task, hp)
+            except EmbshardError as e:
+                log.info("neuroshard guard: %s has no valid plan for %s (%s)", h, task.name, e)
+                continue
+            labelled.append((h, "heuristic", hp))
+        unique: dict[tuple, int] = {}
+        for i, (_, _, p) in enumerate(labelled):
+            unique.setdefault(p.signature(), i)
+        measure = sorted(set(unique.values()))
+        t0 = time.perf_counter()
+        costs = self.evaluator.measure_many(task, [labelled[i][2] for i in measure], rounds=self.verify_rounds)
+        seconds = time.perf_counter() - t0
+        measured = {i: c for i, c in zip(measure, costs)}
+        rows = []
+        for i, (label, source, p) in enumerate(labelled):
+            c = measured[unique[p.signature()]]
+            rows.append({"label": label, "source": source, "same_as": labelled[unique[p.signature()]][0],
+                         "predicted_ms": self.predicted_costs(task, p).plan_cost_ms,
+                         "measured_ms": c.plan_cost_ms, "spread_ms": c.plan_cost_spread_ms})
+        best = min(range(len(labelled)), key=lambda i: (rows[i]["measured_ms"], i))
+        self.last_guard = GuardResult(rows, labelled[best][0], labelled[0][0], round(seconds, 3))
+        chosen = labelled[best][2]
+        return Plan(task.name, self.name, list(chosen.shards))
+
