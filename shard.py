@@ -60,6 +60,9 @@ def run(cfg: DictConfig) -> float | None:
         sharders = {name: instantiate(cfg.searchers[name]) for name in algorithms}
         cost_model = instantiate(cfg.cost_model) if cfg.evaluate != "none" else None
         evaluator = instantiate(cfg.hardware) if cfg.evaluate == "measured" else None
+        for sharder in sharders.values():  # NeuroShard's measured guard (verify=auto: on when measuring)
+            if callable(getattr(sharder, "attach_evaluator", None)):
+                sharder.attach_evaluator(evaluator)
 
         results = []
         for task in tasks:

@@ -16,6 +16,8 @@ from embshard.task import Task
 log = logging.getLogger(__name__)
 
 EVALUATE_MODES = ("none", "estimated", "measured")
+#: the extra row of a guarded searcher: its own pick before the guard's measurement
+PICK_SUFFIX = "_pick"
 
 
 @dataclass
@@ -31,6 +33,10 @@ class Result:
     memory_bytes: list[int] = field(default_factory=list)
     estimated: DeviceCosts | None = None
     measured: DeviceCosts | None = None
+    #: the cost models' training envelope vs this plan (`NeuralCostModels.envelope_report`)
+    envelope: dict[str, Any] | None = None
+    #: the measured guard's candidates and choice (NeuroShard with verify > 0)
+    guard: dict[str, Any] | None = None
 
     @property
     def estimated_cost_ms(self) -> float | None:
@@ -53,6 +59,9 @@ class Result:
             "memory_bytes": self.memory_bytes,
             "estimated_device_costs": self.estimated.to_dict() if self.estimated else None,
             "measured_device_costs": self.measured.to_dict() if self.measured else None,
+            "headroom": {k: c.headroom() for k, c in (("estimated", self.estimated), ("measured", self.measured)) if c},
+            "envelope": self.envelope,
+            "guard": self.guard,
         }
 
 
@@ -73,9 +82,16 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder]) -> list[Result]:
             continue
         # A sharder may report its own pure search time (TorchRec's excludes model building).
         seconds = getattr(sharder, "last_search_seconds", None) or seconds
+        guard = getattr(sharder, "last_guard", None)
         results.append(
-            Result(task.name, name, valid=True, plan=plan, search_seconds=seconds, memory_bytes=plan.memory_bytes(task))
+            Result(task.name, name, valid=True, plan=plan, search_seconds=seconds, memory_bytes=plan.memory_bytes(task),
+                   guard=guard.to_dict() if guard is not None else None)
         )
+        if guard is not None:
+            # the search's own pick beside the guarded one, so the model's quality stays visible
+            pick = Plan(task.name, f"{name}{PICK_SUFFIX}", list(sharder.last_search_pick.shards))
+            results.append(Result(task.name, pick.algorithm, valid=True, plan=pick,
+                                  search_seconds=seconds - guard.measure_seconds, memory_bytes=pick.memory_bytes(task)))
     return results
 
 
@@ -96,9 +112,18 @@ def evaluate_task(
     if mode == "none" or not valid:
         return
     if cost_model is not None:
+        report = getattr(cost_model, "envelope_report", None)
         for r in valid:
             r.estimated = cost_model.device_costs(task, r.plan)
+            if callable(report):
+                r.envelope = report(task, r.plan)
     if mode == "measured":
-        costs = evaluator.measure_many(task, [r.plan for r in valid], rounds=rounds)
-        for r, c in zip(valid, costs):
-            r.measured = c
+        # identical plans (a guard that chose its search pick, heuristics that agree) are
+        # measured once and share the measurement
+        first: dict[tuple, int] = {}
+        for i, r in enumerate(valid):
+            first.setdefault(r.plan.signature(), i)
+        unique = sorted(set(first.values()))
+        costs = dict(zip(unique, evaluator.measure_many(task, [valid[i].plan for i in unique], rounds=rounds)))
+        for r in valid:
+            r.measured = costs[first[r.plan.signature()]]

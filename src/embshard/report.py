@@ -30,6 +30,9 @@ def summarize(results: Sequence[Result], metric: str = "measured_cost_ms") -> li
         costs = [getattr(r, metric) for r in mine if getattr(r, metric) is not None]
         ratios = [getattr(r, metric) / best[r.task] for r in mine if getattr(r, metric) is not None and best.get(r.task)]
         spreads = [r.measured.plan_cost_spread_ms for r in mine if r.measured and r.measured.plan_cost_spread_ms is not None]
+        costed = [c for c in (_costs_of(r, metric) for r in mine) if c is not None]
+        heads = [c.headroom() for c in costed]
+        envs = [r.envelope for r in mine if r.envelope]
         rows.append(
             {
                 "algorithm": alg,
@@ -38,6 +41,10 @@ def summarize(results: Sequence[Result], metric: str = "measured_cost_ms") -> li
                 f"mean_{metric}": mean(costs) if costs else None,
                 "mean_ratio_to_best": mean(ratios) if ratios else None,
                 "mean_spread_ms": mean(spreads) if spreads else None,
+                "mean_compute_imbalance": mean(h["compute_imbalance"] for h in heads) if heads else None,
+                "mean_gap_pct": mean(h["gap_pct"] for h in heads) if heads else None,
+                "out_of_envelope_devices": sum(e["out_of_envelope_devices"] for e in envs) if envs else None,
+                "devices": sum(e["devices"] for e in envs) if envs else None,
                 "mean_search_seconds": mean(r.search_seconds for r in mine if r.search_seconds is not None)
                 if any(r.search_seconds is not None for r in mine)
                 else None,
@@ -46,11 +53,20 @@ def summarize(results: Sequence[Result], metric: str = "measured_cost_ms") -> li
     return rows
 
 
+def _costs_of(r: Result, metric: str):
+    return r.measured if metric == "measured_cost_ms" else r.estimated
+
+
 def format_table(rows: Sequence[dict[str, Any]], metric: str) -> str:
-    """A fixed-width text table of `summarize` rows."""
-    header = ["algorithm", "valid", f"{metric.replace('_ms', '')} (ms)", "± spread", "vs best", "search (s)"]
+    """A fixed-width text table of `summarize` rows: cost, spread, ratio to the best plan,
+    compute imbalance (max / mean device), gap to the balance reference (mean compute + the
+    slowest device's comm), device shards outside the cost models' training envelope, and
+    search time."""
+    header = ["algorithm", "valid", f"{metric.replace('_ms', '')} (ms)", "± spread", "vs best", "imbalance",
+              "gap to balance", "out of envelope", "search (s)"]
     lines = []
     for r in rows:
+        ood = "-" if r.get("devices") is None else f"{r['out_of_envelope_devices']}/{r['devices']}"
         lines.append(
             [
                 r["algorithm"],
@@ -58,6 +74,9 @@ def format_table(rows: Sequence[dict[str, Any]], metric: str) -> str:
                 _fmt(r[f"mean_{metric}"], "{:.3f}"),
                 _fmt(r.get("mean_spread_ms"), "{:.3f}"),
                 _fmt(r["mean_ratio_to_best"], "{:.3f}x"),
+                _fmt(r.get("mean_compute_imbalance"), "{:.2f}x"),
+                _fmt(r.get("mean_gap_pct"), "{:+.1f}%"),
+                ood,
                 _fmt(r["mean_search_seconds"], "{:.3f}"),
             ]
         )

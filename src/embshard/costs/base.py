@@ -36,10 +36,30 @@ class DeviceCosts:
         """Max over devices of compute + forward comm + backward comm (DESIGN.md)."""
         return max(self.total_ms)
 
+    def headroom(self) -> dict[str, float]:
+        """How far the plan is from perfect balance.
+
+        `compute_imbalance`: max / mean of the devices' compute. `balance_reference_ms`: mean
+        device compute plus the comm of the slowest device (the one that waits for nobody, so
+        its forward comm is transfer only): what the plan would cost were compute perfectly
+        balanced. `gap_ms` / `gap_pct`: plan cost above that reference."""
+        c = self.compute_ms
+        mean = sum(c) / len(c)
+        slow = max(range(len(c)), key=lambda i: c[i])
+        ref = mean + self.forward_comm_ms[slow] + self.backward_comm_ms[slow]
+        gap = self.plan_cost_ms - ref
+        return {
+            "compute_imbalance": max(c) / mean if mean > 0 else 1.0,
+            "balance_reference_ms": ref,
+            "gap_ms": gap,
+            "gap_pct": 100.0 * gap / ref if ref > 0 else 0.0,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["total_ms"] = self.total_ms
         d["plan_cost_ms"] = self.plan_cost_ms
+        d["headroom"] = self.headroom()
         return d
 
 
