@@ -6,6 +6,7 @@ pre-training, and end-to-end DLRM training under sharding plans.
     python train.py stage=tasks task=dreamshard out_dir=tasks/dreamshard
     python train.py stage=collect collect=cpu out_dir=costdata/cpu        # resumable; torchrun for ranks
     python train.py stage=pretrain data_dir=costdata/cpu out_dir=checkpoints/cpu_fbgemm
+    python train.py stage=refine refine.data_dir=costdata/cpu out_dir=experiments/refine   # close the loop
     python train.py stage=dlrm_task experiment=e2e_embedding_heavy out_dir=DIR  # the end-to-end task JSON
     torchrun --nproc_per_node 2 train.py stage=dlrm dlrm.plan=neuroshard        # DLRM training under a plan
     torchrun --nproc_per_node 2 train.py stage=throughput experiment=e2e_embedding_heavy \
@@ -29,7 +30,7 @@ from embshard.errors import InputError
 
 log = logging.getLogger("train")
 ROOT = Path(__file__).resolve().parent
-STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain", "dlrm_task", "dlrm", "throughput")
+STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain", "refine", "dlrm_task", "dlrm", "throughput")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -62,6 +63,17 @@ def run(cfg: DictConfig) -> float | None:
             raise InputError("stage=pretrain needs data_dir=<folder with compute.jsonl, comm.jsonl, profile.json>")
         result = pretrain(cfg.cost_model, cfg.data_dir, out_dir)
         log.info("objective %.4f", result)
+    elif cfg.stage == "refine":
+        run_refine(cfg, out_dir)
+    elif cfg.stage == "tasks" and cfg.task.kind == "user":  # generated tables: no dataset needed
+        from embshard.data.tasks import user_tasks
+
+        t = OmegaConf.to_container(cfg.task, resolve=True)
+        tasks = user_tasks(t["num_tasks"], seed=cfg.seed, min_tables=t["min_tables"], max_tables=t["max_tables"],
+                           num_devices=t["num_devices"], batch_sizes=t["batch_sizes"], memory_slack=t["memory_slack"],
+                           optimizer=t["optimizer"], name_prefix=t["name_prefix"], cycle=t["cycle"], out_dir=out_dir,
+                           max_lookups_per_device=t.get("max_lookups_per_device"), **t["tables"])
+        log.info("%d user-style tasks -> %s", len(tasks), out_dir)
     else:
         dataset = dataset_path(cfg.dataset)
         if cfg.stage == "synthetic":
@@ -100,6 +112,39 @@ def collect_cost_data(cfg: DictConfig, dataset: Path, out_dir: Path) -> None:
     if done.rank == 0:
         merged = merge(out_dir)
         log.info("merged: %s", merged)
+
+
+def run_refine(cfg: DictConfig, out_dir: Path) -> None:
+    """stage=refine: measure what the search proposes, re-train (embshard.costs.refine)."""
+    from hydra.utils import instantiate
+
+    from embshard.costs.refine import refine
+    from embshard.data.tasks import user_tasks
+
+    r = cfg.refine
+    unknown = [a for a in r.algorithms if a not in cfg.searchers]
+    if unknown or "neuroshard" not in r.algorithms:
+        raise InputError(f"refine.algorithms must include neuroshard and name known planners; unknown: {unknown}")
+    t = OmegaConf.to_container(r.tasks, resolve=True)
+    if t.get("kind") != "user":
+        raise InputError(f"refine.tasks must be user-style tasks (task kind 'user'), got {t.get('kind')!r}")
+
+    def make_tasks(k: int):
+        return user_tasks(t["num_tasks"], seed=int(cfg.seed) * 1000 + k, min_tables=t["min_tables"],
+                          max_tables=t["max_tables"], num_devices=t["num_devices"], batch_sizes=t["batch_sizes"],
+                          memory_slack=t["memory_slack"], optimizer=t["optimizer"], name_prefix=f"refine{k}",
+                          cycle=t["cycle"], max_lookups_per_device=t.get("max_lookups_per_device"), **t["tables"])
+
+    def make_sharders(checkpoint: Path):
+        # NeuroShard against the round's models, without the guard: the loop scores its own pick
+        return {a: instantiate(cfg.searchers[a], **({"checkpoint": str(checkpoint), "verify": 0}
+                                                     if a == "neuroshard" else {})) for a in r.algorithms}
+
+    evaluator = instantiate(cfg.hardware, **OmegaConf.to_container(r.measure, resolve=True))
+    summary = refine(OmegaConf.to_container(r, resolve=True), cfg.cost_model, make_tasks, make_sharders, evaluator,
+                     out_dir)
+    log.info("refine: %d round(s), converged=%s, final models %s", len(summary["rounds"]), summary["converged"],
+             summary["final"])
 
 
 def run_end_to_end(cfg: DictConfig) -> float:
@@ -160,7 +205,7 @@ def make_tasks(cfg: DictConfig, dataset: Path, out_dir: Path) -> None:
         )
         log.info("%d train / %d test DreamShard-style tasks -> %s", len(out["train"]), len(out["test"]), out_dir)
     else:
-        raise InputError(f"unknown task kind {t.kind!r}; choose neuroshard or dreamshard")
+        raise InputError(f"unknown task kind {t.kind!r}; choose neuroshard, dreamshard or user")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,204 @@
+"""Trustworthy learned costs: no invented features, normalised plans, row-wise pieces in the
+search, the measured guard, the refine loop, and the shipped checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from embshard import Table, Task, validate
+from embshard.costs.features import imputed_histogram, planning_view, table_features, with_histogram
+from embshard.data.indices import batch_indices
+from embshard.data.synthetic import histogram_distances
+from embshard.hardware.evaluator import HardwareEvaluator
+from embshard.plan import Plan, PlanWarning, Shard, normalize, pieces_sharing_a_device
+from embshard.search.neuroshard import ROOT, NeuroShardSharder
+from embshard.search.simulator import AnalyticPredictor
+from embshard.tables import reuse_histograms
+
+CHECKPOINT = ROOT / "checkpoints" / "cpu_fbgemm" / "cost_models.pt"
+
+
+def make_task(tables, num_devices=2, slack=1.5, batch_size=4096, name="t", devices_per_host=None) -> Task:
+    probe = Task(name, num_devices, 1, batch_size, tuple(tables))
+    need = [probe.table_memory_bytes(t) for t in tables]
+    memory = int(max(slack * sum(need) / num_devices, 1.05 * max(need)))
+    return Task(name, num_devices, memory, batch_size, tuple(tables), devices_per_host=devices_per_host)
+
+
+# ----------------------------------------------------------------------------- no invented features
+@pytest.mark.parametrize("rows,pooling,batch", [(20_000, 10.0, 4096), (1_000_000, 30.0, 8192), (3_000_000, 1.0, 16384)])
+def test_imputed_histogram_is_what_the_evaluator_draws(rows, pooling, batch):
+    """A table without a histogram gets the one its indices actually follow in measurement."""
+    t = Table(f"x{rows}", rows, 16, pooling)
+    idx, _ = batch_indices(t, batch, np.random.default_rng(0))
+    measured, _ = reuse_histograms(np.bincount(idx.numpy(), minlength=rows))
+    imputed = imputed_histogram(rows, pooling, batch)
+    assert histogram_distances(measured, imputed)[0] < 0.05
+    # not the flat "every row once" histogram the old features invented
+    assert histogram_distances(imputed, (1.0,) + (0.0,) * 16)[0] > 0.02 or rows > 1_000_000
+
+
+def test_planning_view_fills_and_flags_missing_histograms():
+    given_hist = tuple([0.5, 0.5] + [0.0] * 15)
+    task = make_task([Table("a", 5000, 8, 3.0), Table("b", 5000, 8, 3.0, given_hist)], batch_size=2048)
+    view, imputed = planning_view(task)
+    assert imputed == ["a"]
+    assert view.table("b").reuse_histogram == given_hist
+    assert view.table("a").reuse_histogram == imputed_histogram(5000, 3.0, 2048)
+    assert task.table("a").reuse_histogram is None  # the task itself is untouched
+    # features depend on the batch: the same table at twice the batch has twice the lookups
+    f1, f2 = table_features(task.table("a"), 2048), table_features(task.table("a"), 4096)
+    assert f2[-8] == pytest.approx(2 * f1[-8]) and f1[4] == 11 and f2[4] == 12
+    assert with_histogram(task.table("b"), 2048) == (task.table("b"), False)
+
+
+# ----------------------------------------------------------------------------- normalised plans
+def test_normalize_merges_a_tables_pieces_on_one_device_and_keeps_cover():
+    task = make_task([Table("a", 1000, 32, 2.0), Table("b", 1000, 8, 1.0)], num_devices=3, slack=3.0)
+    plan = Plan("t", "hand", [Shard("a", 0, 0, 8, 0, 1000), Shard("a", 1, 8, 8, 0, 1000), Shard("a", 0, 16, 16, 0, 1000),
+                              Shard("b", 2, 0, 8, 0, 1000)])
+    with pytest.warns(PlanWarning, match="table 'a' has 2 pieces on device 0"):
+        validate(task, plan)
+    merged = normalize(task, plan)
+    validate(task, merged)
+    assert not pieces_sharing_a_device(merged)
+    assert sorted((s.device, s.dim) for s in merged.shards if s.table == "a") == [(0, 24), (1, 8)]
+    assert merged.device_widths(3) == plan.device_widths(3)
+
+
+@st.composite
+def tasks(draw):
+    n = draw(st.integers(1, 10))
+    tables = [Table(f"t{i}", rows=draw(st.integers(100, 200_000)), dim=4 * draw(st.integers(1, 24)),
+                    pooling_factor=draw(st.floats(0.0, 80.0))) for i in range(n)]
+    d = draw(st.integers(1, 6))
+    return make_task(tables, d, slack=draw(st.floats(1.1, 3.0)), devices_per_host=draw(st.sampled_from([None, 2])))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tasks())
+def test_search_never_puts_two_pieces_of_a_table_on_one_device(task):
+    s = NeuroShardSharder(checkpoint=None, beam_steps=3, candidates=4, verify=0)
+    plan = s.shard(task)
+    validate(task, plan)
+    assert not pieces_sharing_a_device(plan)
+
+
+def test_row_wise_pieces_balance_a_dominant_table_and_export_to_torchrec():
+    from embshard.torchrec_bridge import plan_to_torchrec
+
+    hot = Table("hot", 4_000_000, 4, 200.0)  # most of the work, and too thin to split by columns
+    cold = [Table(f"c{i}", 1000, 8, 2.0) for i in range(6)]
+    task = make_task([hot, *cold], 4, slack=3.0)
+    on = NeuroShardSharder(checkpoint=None, verify=0)
+    plan = on.shard(task)
+    rows = sorted((s.device, s.row_offset, s.rows) for s in plan.shards if s.table == "hot")
+    assert rows == [(0, 0, 1_000_000), (1, 1_000_000, 1_000_000), (2, 2_000_000, 1_000_000), (3, 3_000_000, 1_000_000)]
+    assert on.last_stats["row_wise_tables"] == 1
+    off = NeuroShardSharder(checkpoint=None, verify=0, row_wise=False)
+    off.shard(task)
+    assert on.last_predicted_cost_ms < off.last_predicted_cost_ms
+    sharding = plan_to_torchrec(task, plan)  # TorchRec's row-wise layout: DMP can train it
+    assert sharding.plan[""]["hot"].sharding_type == "row_wise"
+    # with 2 hosts of 2 devices the split stays inside one host (table-row-wise)
+    task2 = make_task([hot, *cold], 4, slack=3.0, devices_per_host=2)
+    plan2 = NeuroShardSharder(checkpoint=None, verify=0).shard(task2)
+    hosts = {s.device // 2 for s in plan2.shards if s.table == "hot"}
+    assert len(hosts) == 1 and len([s for s in plan2.shards if s.table == "hot"]) == 2
+    assert plan_to_torchrec(task2, plan2).plan[""]["hot"].sharding_type == "table_row_wise"
+
+
+# ----------------------------------------------------------------------------- the measured guard
+class PileUpModel(AnalyticPredictor):
+    """A wrong cost model: the more tables a device holds, the cheaper it thinks it is."""
+
+    def compute_ms(self, shards):
+        return np.array([10.0 / len(s) if s else 0.0 for s in shards])
+
+    table_encodings = None  # no running sums: the search asks compute_ms
+
+
+def test_guard_returns_the_measured_best_plan():
+    tables = [Table(f"t{i}", 2000, 16, 20.0) for i in range(8)]
+    task = make_task(tables, 2, slack=3.0, batch_size=512)
+    evaluator = HardwareEvaluator(comm_backend=None, warmups=1, repetitions=3, seed=0)
+    s = NeuroShardSharder(predictor=PileUpModel(batch_size=512), caps=[100.0], column_wise=False, row_wise=False,
+                          verify=2, verify_heuristics=["size_greedy", "lookup_greedy"], verify_rounds=2)
+    s.attach_evaluator(evaluator)
+    plan = s.shard(task)
+    pick = s.last_search_pick
+    assert sorted(len(pick.shards_on(d)) for d in range(2)) == [0, 8]  # the model's blind spot
+    g = s.last_guard.to_dict()
+    labels = [c["label"] for c in g["candidates"]]
+    assert labels[0] == "neuroshard#1" and labels[-2:] == ["size_greedy", "lookup_greedy"]
+    best = min(g["candidates"], key=lambda c: c["measured_ms"])
+    assert g["chosen"] == best["label"] and g["changed"] and g["chosen"] in ("size_greedy", "lookup_greedy")
+    assert sorted(len(plan.shards_on(d)) for d in range(2)) == [4, 4] and plan.algorithm == "neuroshard"
+    assert s.last_search_seconds >= g["measure_seconds"] > 0
+    validate(task, plan)
+    # verify=auto is off without an evaluator, and verify>0 without one is an input error
+    s.attach_evaluator(None)
+    s.verify = "auto"
+    s.shard(task)
+    assert s.last_guard is None
+
+
+# ----------------------------------------------------------------------------- the shipped checkpoint
+def test_shipped_checkpoint_is_refined_and_loads_weights_only():
+    from embshard.costs.neural import NeuralCostModels
+
+    raw = torch.load(CHECKPOINT, weights_only=True)
+    env = raw["envelope"]
+    assert env["compute_batch_sizes"][0] <= 2048 and env["compute_batch_sizes"][-1] >= 65536
+    assert env["histograms"]["given"] > 0 and env["histograms"]["imputed"] > 0
+    assert env["shard_pieces"][1] >= 40 and max(env["comm_devices"]) >= 16
+    assert raw["data"]["origins"].get("neuroshard", 0) > 0  # it has seen the search's own shards
+    models = NeuralCostModels.load(CHECKPOINT)
+    t = Table("u", 300_000, 64, 25.0)
+    ms = models.at_batch(8192).compute_ms([[t], [t, t.with_dim(32, "v")]])
+    assert 0 < ms[0] < ms[1]
+
+
+# ----------------------------------------------------------------------------- closing the loop
+def test_refine_measures_the_search_shards_scores_them_and_retrains(tmp_path):
+    from embshard.costs.neural import NeuralCostModels, load_compute_samples
+    from embshard.costs.refine import refine
+    from embshard.data.tasks import user_tasks
+    from embshard.search.baselines import GreedySharder
+    from tests.test_neural import FAST, write_data
+
+    write_data(tmp_path / "base", n_compute=150, n_comm=60)
+    cfg = dict(FAST, max_epochs=8)
+    dist = dict(dims=[8, 16], min_rows=500, max_rows=20_000, max_pooling=20.0, onehot_share=0.0, histogram_share=0.5)
+
+    def make_tasks(r):
+        return user_tasks(2, seed=r, min_tables=4, max_tables=6, num_devices=[2], batch_sizes=[512], **dist)
+
+    def make_sharders(ckpt):
+        return {"neuroshard": NeuroShardSharder(checkpoint=str(ckpt), verify=0, beam_steps=2, candidates=3),
+                "size_greedy": GreedySharder("size")}
+
+    evaluator = HardwareEvaluator(comm_backend=None, warmups=1, repetitions=2, seed=0)
+    summary = refine({"data_dir": str(tmp_path / "base"), "checkpoint": None, "rounds": 1, "stop_ratio": 1.25},
+                     cfg, make_tasks, make_sharders, evaluator, tmp_path / "out")
+    out = tmp_path / "out"
+    (entry,) = summary["rounds"]
+    assert entry["samples"]["compute"] >= 4 and entry["samples"]["comm"] == 4
+    assert {"neuroshard", "size_greedy", "all"} <= set(entry["scores"]["compute"])
+    assert entry["scores"]["compute"]["all"]["n"] == entry["samples"]["compute"]
+    rows = [json.loads(x) for x in (out / "rounds" / "round0" / "compute.jsonl").read_text().splitlines()]
+    assert all(r["predicted_ms"] > 0 and r["median_ms"] > 0 and r["origin"] in ("neuroshard", "size_greedy") for r in rows)
+    grown = load_compute_samples(out / "data" / "compute.jsonl")
+    assert len(grown) == 150 + len(rows) and sum(s.origin == "neuroshard" for s in grown) > 0
+    final = NeuralCostModels.load(out / "final" / "cost_models.pt")
+    assert final.data["origins"]["neuroshard"] > 0 and (out / "refine.md").read_text().startswith("| round")
+    # a restart reuses the measured round instead of measuring it again
+    again = refine({"data_dir": str(tmp_path / "base"), "checkpoint": None, "rounds": 1, "stop_ratio": 1.25},
+                   cfg, make_tasks, None, None, out)
+    assert again["rounds"][0]["samples"] == entry["samples"]
