@@ -53,9 +53,9 @@ def main() -> None:
     print(f"task {task.name}: {len(task.tables)} tables, {task.num_devices} devices, "
           f"{task.device_memory_bytes / 2**30:.2f} GiB per device")
 
-    planners = {"neuroshard (analytic)": lambda: NeuroShardSharder(checkpoint=None)}
+    planners = {"neuroshard (analytic)": lambda: NeuroShardSharder(checkpoint=None, verify=0)}
     if args.checkpoint:
-        planners["neuroshard (neural)"] = lambda: NeuroShardSharder(checkpoint=args.checkpoint, fallback="error")
+        planners["neuroshard (neural)"] = lambda: NeuroShardSharder(checkpoint=args.checkpoint, fallback="error", verify=0)
     if args.torchrec:
         from embshard.search.torchrec_planner import TorchRecPlanner
 
@@ -71,7 +71,7 @@ def main() -> None:
         extra = ""
         if hasattr(s, "last_stats"):
             st = s.last_stats
-            extra = (f"  predicted {s.last_predicted_cost_ms:.1f} ms, best cap {st['cap']}, {st['pieces']} pieces, "
+            extra = (f"  predicted {s.last_predicted_cost_ms:.1f} ms, {st['pieces']} pieces, {st['greedy_runs']} greedy runs, "
                      f"beam {'on' if st['beam'] else 'off'}, incremental {st['incremental']}")
         print(f"{label:>24}: {min(times):8.2f} s" + (f" (best of {len(times)})" if len(times) > 1 else "") + extra,
               flush=True)

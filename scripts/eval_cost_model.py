@@ -15,11 +15,9 @@ import argparse
 import numpy as np
 
 from embshard.costs.analytic import AnalyticCostModel
-from embshard.costs.collect import load_samples
-from embshard.costs.neural import NeuralCostModels
+from embshard.costs.neural import NeuralCostModels, load_compute_samples
 from embshard.costs.pretrain import regression_metrics
 from embshard.plan import Shard
-from embshard.tables import Table
 
 
 def main() -> None:
@@ -28,17 +26,11 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="a compute.jsonl written by train.py stage=collect")
     args = ap.parse_args()
     models = NeuralCostModels.load(args.checkpoint)
-    samples = load_samples(args.data, kind="compute")
-    shards = [
-        [Table(f"x{i}", t["rows"], t["dim"], t["pooling_factor"], t["reuse_histogram"], t["bytes_per_element"])
-         for i, t in enumerate(s["tables"])]
-        for s in samples
-    ]
-    measured = np.array([s["median_ms"] for s in samples])
-    batch = samples[0]["batch_size"]
-    neural = models.compute_ms(shards) * models.batch_ratio(batch)
+    samples = load_compute_samples(args.data)
+    measured = np.array([s.ms for s in samples])
+    neural = np.array([models.at_batch(s.batch_size).compute_ms([s.tables])[0] for s in samples])
     analytic = AnalyticCostModel()
-    estimated = np.array([analytic.compute_ms([(t, Shard.whole(t, 0)) for t in s], batch) for s in shards])
+    estimated = np.array([analytic.compute_ms([(t, Shard.whole(t, 0)) for t in s.tables], s.batch_size) for s in samples])
     for name, pred in (("neural", neural), ("analytic", estimated)):
         m = regression_metrics(measured, pred)
         print(f"{name:9s} n={m['n']}  RMSE {m['rmse_ms']:.3f} ms  MAPE {m['mape_pct']:.1f}%  "

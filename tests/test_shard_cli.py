@@ -116,18 +116,29 @@ def test_every_config_composes_and_instantiates():
 
 
 @pytest.mark.slow
-def test_measured_run_on_real_kernels_with_chart(tmp_path):
+def test_measured_run_on_real_kernels_with_chart_guard_and_headroom(tmp_path):
     task = small_task(tmp_path / "task.json", tables=6)
     out = tmp_path / "out"
-    proc = run_shard(f"task_file={tmp_path / 'task.json'}", "algorithms=[size_greedy,lookup_greedy]", "evaluate=measured",
-                     "rounds=2", "hardware.repetitions=3", "hardware.warmups=1", f"out_dir={out}")
+    proc = run_shard(f"task_file={tmp_path / 'task.json'}", "algorithms=[size_greedy,lookup_greedy,neuroshard]",
+                     "evaluate=measured", "rounds=2", "hardware.repetitions=3", "hardware.warmups=1",
+                     "searchers.neuroshard.verify=2", "searchers.neuroshard.verify_heuristics=[size_greedy]",
+                     "searchers.neuroshard.verify_rounds=1", f"out_dir={out}")
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "report.json").read_text())
+    assert [r["algorithm"] for r in report["results"]] == ["size_greedy", "lookup_greedy", "neuroshard", "neuroshard_pick"]
     for r in report["results"]:
         devices = r["measured_device_costs"]
         assert r["measured_cost_ms"] > 0 and r["measured_spread_ms"] is not None
         assert r["measured_cost_ms"] == pytest.approx(max(devices["total_ms"]))
         assert all(c > 0 for c in devices["compute_ms"]) and all(c > 0 for c in devices["backward_comm_ms"])
+        h = r["headroom"]["measured"]
+        assert h["compute_imbalance"] >= 1.0 and h["balance_reference_ms"] > 0
+        assert r["envelope"]["devices"] == task.num_devices and "out_of_envelope_devices" in r["envelope"]
+    guard = report["results"][2]["guard"]
+    assert guard["search_pick"] == "neuroshard#1" and [c["source"] for c in guard["candidates"]][-1] == "heuristic"
+    assert guard["chosen"] == min(guard["candidates"], key=lambda c: c["measured_ms"])["label"]
+    assert report["results"][2]["search_seconds"] > guard["measure_seconds"] > 0
+    assert "imbalance" in proc.stdout and "gap to balance" in proc.stdout and "neuroshard_pick" in proc.stdout
     assert (out / "measured_cost.png").read_bytes()[:4] == b"\x89PNG"
 
 

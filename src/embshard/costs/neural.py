@@ -26,8 +26,10 @@ Three models, trained by `embshard.costs.pretrain.pretrain` on measured cost dat
   all-to-all at this batch, its delay and wait, and global context: D, sum/mean/max/min of
   widths and delays, batch) go through an encoder φ; the mean and max of φ over the sample's
   devices are concatenated to each device's own features and encoding, and a head ρ gives
-  that device's time (ms, standardised). The backward model sees no delays (the backward
-  all-to-all starts from a barrier).
+  that device's time (standardised log ms by default). The forward model predicts the time
+  beyond the device's wait for the slowest one (its lead, known from the delays) and adds the
+  wait back, so waits longer than any trained on cost what they cost. The backward model sees
+  no delays (the backward all-to-all starts from a barrier).
 
 `NeuralCostModels` is the loaded bundle: `at_batch(b)` gives the predictor the search uses
 for one batch size (numpy inference, per-piece encodings cached, one batched call for many
@@ -468,14 +470,26 @@ def compute_tensors(feats: Sequence[np.ndarray], y_ms: np.ndarray) -> tuple[torc
     return torch.from_numpy(x), torch.from_numpy(mask), torch.from_numpy(np.asarray(y_ms, np.float32))
 
 
+def forward_wait_ms(delays_ms: Any) -> np.ndarray:
+    """How long each device waits in the forward all-to-all for the slowest one: its lead."""
+    d = np.asarray(delays_ms, np.float64)
+    return d.max(-1, keepdims=True) - d
+
+
 def comm_arrays(samples: Sequence[CommSample], direction: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per-sample [D, F] features (at the sample's own batch) and [D] labels (ms) of one direction."""
+    """Per-sample [D, F] features (at the sample's own batch) and [D] labels (ms) of one
+    direction. Forward labels are the time beyond the wait (`forward_wait_ms`), which is
+    known exactly: the forward model adds it back (so it holds for waits longer than any
+    trained on)."""
     feats, ys = [], []
     for s in samples:
         f = comm_features(np.array([s.widths]), np.array([s.delays_ms]), s.batch_size,
                           with_delays=direction == "forward")[0]
         feats.append(f)
-        ys.append(np.asarray(s.forward_ms if direction == "forward" else s.backward_ms, np.float64))
+        if direction == "forward":  # the model learns the time beyond waiting for the slowest device
+            ys.append(np.maximum(np.asarray(s.forward_ms, np.float64) - forward_wait_ms(s.delays_ms), 0.0))
+        else:
+            ys.append(np.asarray(s.backward_ms, np.float64))
     return feats, ys
 
 
@@ -779,7 +793,7 @@ class BatchCostModels:
         m = self.models
         xf = m.norm["forward_comm"].x(comm_features(w, dl, self.batch_size, with_delays=True))
         xb = m.norm["backward_comm"].x(comm_features(w, None, self.batch_size, with_delays=False))
-        fw = m.norm["forward_comm"].to_ms(m._comm_net("forward_comm", xf))
+        fw = m.norm["forward_comm"].to_ms(m._comm_net("forward_comm", xf)) + forward_wait_ms(dl)
         bw = m.norm["backward_comm"].to_ms(m._comm_net("backward_comm", xb))
         return (fw[0], bw[0]) if squeeze else (fw, bw)
 

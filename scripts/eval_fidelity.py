@@ -1,0 +1,122 @@
+"""Fidelity where it matters: the cost models' predictions on the plans the search and the
+baselines actually produce, against the hardware.
+
+    python scripts/eval_fidelity.py experiments/user_eval/runs/report.json [more reports ...] [--by-algorithm]
+
+Reads shard.py reports made with `evaluate=measured` and the neural cost model as the
+estimate (`cost_model=neural`, the default), and prints, per report (a set of held-out
+tasks) and over all of them:
+
+* per-device compute, predicted vs measured: MAPE and Kendall τ over every non-empty device
+  of every distinct plan;
+* plan cost: Kendall τ between predicted and measured plan cost among the plans of one task
+  (the ranking a search relies on), averaged over tasks, and MAPE;
+* how many device shards were outside the models' training envelope.
+
+The aims (issue "Trustworthy learned costs"): compute MAPE <= 5%, τ >= 0.95; plan-cost τ >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from embshard.costs.pretrain import kendall_tau_b, regression_metrics
+
+
+def distinct_results(report: dict) -> list[dict]:
+    """Valid, measured and estimated results, one per distinct plan of a task (a guarded
+    searcher's pick, or heuristics that agree, are the same plan measured once)."""
+    out, seen = [], set()
+    for r in report["results"]:
+        if not (r["valid"] and r.get("measured_device_costs") and r.get("estimated_device_costs")):
+            continue
+        key = (r["task"], json.dumps(r["measured_device_costs"]["compute_ms"]), json.dumps(r["estimated_device_costs"]["compute_ms"]))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(r)
+    return out
+
+
+def fidelity(results: list[dict]) -> dict:
+    pred, meas = [], []
+    for r in results:
+        for p, m in zip(r["estimated_device_costs"]["compute_ms"], r["measured_device_costs"]["compute_ms"]):
+            if m > 0:
+                pred.append(p)
+                meas.append(m)
+    compute = regression_metrics(np.array(meas), np.array(pred))
+    taus = []
+    for task in sorted({r["task"] for r in results}):
+        rows = [r for r in results if r["task"] == task]
+        if len(rows) >= 2:
+            t = kendall_tau_b(np.array([r["measured_cost_ms"] for r in rows]), np.array([r["estimated_cost_ms"] for r in rows]))
+            if np.isfinite(t):
+                taus.append(t)
+    plan = regression_metrics(np.array([r["measured_cost_ms"] for r in results]), np.array([r["estimated_cost_ms"] for r in results]))
+    env = [r["envelope"] for r in results if r.get("envelope")]
+    return {
+        "tasks": len({r["task"] for r in results}),
+        "plans": len(results),
+        "devices": compute.get("n", 0),
+        "compute_mape_pct": compute.get("mape_pct"),
+        "compute_kendall_tau": compute.get("kendall_tau"),
+        "plan_tau_per_task": float(np.mean(taus)) if taus else None,
+        "plan_mape_pct": plan.get("mape_pct"),
+        "out_of_envelope": f"{sum(e['out_of_envelope_devices'] for e in env)}/{sum(e['devices'] for e in env)}" if env else "-",
+    }
+
+
+def _f(x, pattern: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and not np.isfinite(x)) else pattern.format(x)
+
+
+def table(rows: list[tuple[str, dict]]) -> str:
+    lines = ["| held-out set | tasks | distinct plans | devices | compute MAPE | compute τ | plan-cost τ (per task) | plan-cost MAPE | out of envelope |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, f in rows:
+        lines.append(f"| {name} | {f['tasks']} | {f['plans']} | {f['devices']} | {_f(f['compute_mape_pct'], '{:.1f}%')} | "
+                     f"{_f(f['compute_kendall_tau'], '{:.3f}')} | {_f(f['plan_tau_per_task'], '{:.3f}')} | "
+                     f"{_f(f['plan_mape_pct'], '{:.1f}%')} | {f['out_of_envelope']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("reports", nargs="+", help="shard.py report.json files (evaluate=measured, cost_model=neural)")
+    ap.add_argument("--by-algorithm", action="store_true", help="also one row per algorithm (over all reports)")
+    args = ap.parse_args(argv)
+    every: list[dict] = []
+    rows = []
+    for path in args.reports:
+        p = Path(path)
+        try:
+            report = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            print(f"error: {p}: cannot read a report ({e})", file=sys.stderr)
+            return 2
+        if report.get("evaluate") != "measured":
+            print(f"error: {p}: not a measured report (evaluate={report.get('evaluate')!r})", file=sys.stderr)
+            return 2
+        res = distinct_results(report)
+        if not res:
+            print(f"error: {p}: no plan with both an estimate and a measurement", file=sys.stderr)
+            return 2
+        every += res
+        rows.append((p.parent.name, fidelity(res)))
+    if len(rows) > 1:
+        rows.append(("all", fidelity(every)))
+    if args.by_algorithm:
+        for alg in sorted({r["algorithm"] for r in every}):
+            rows.append((f"plans of {alg}", fidelity([r for r in every if r["algorithm"] == alg])))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
