@@ -15,7 +15,7 @@ from embshard.task import Task
 
 log = logging.getLogger(__name__)
 
-EVALUATE_MODES = ("none", "estimated", "measured")
+EVALUATE_MODES = ("none", "estimated", "measured", "traffic")
 
 
 @dataclass
@@ -31,6 +31,10 @@ class Result:
     memory_bytes: list[int] = field(default_factory=list)
     estimated: DeviceCosts | None = None
     measured: DeviceCosts | None = None
+    #: evaluate=traffic: an embshard.flexshard.traffic.TrafficReport
+    traffic: Any = None
+    #: what the searcher reports about its own search (e.g. the batches it was fitted on)
+    search_info: dict[str, Any] | None = None
 
     @property
     def estimated_cost_ms(self) -> float | None:
@@ -39,6 +43,10 @@ class Result:
     @property
     def measured_cost_ms(self) -> float | None:
         return self.measured.plan_cost_ms if self.measured else None
+
+    @property
+    def modeled_comm_ms(self) -> float | None:
+        return self.traffic.modeled_comm_ms if self.traffic is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +61,10 @@ class Result:
             "memory_bytes": self.memory_bytes,
             "estimated_device_costs": self.estimated.to_dict() if self.estimated else None,
             "measured_device_costs": self.measured.to_dict() if self.measured else None,
+            "traffic_bytes": self.traffic.traffic_bytes if self.traffic is not None else None,
+            "modeled_comm_ms": self.modeled_comm_ms,
+            "traffic": self.traffic.to_dict() if self.traffic is not None else None,
+            "search_info": self.search_info,
         }
 
 
@@ -73,8 +85,10 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder]) -> list[Result]:
             continue
         # A sharder may report its own pure search time (TorchRec's excludes model building).
         seconds = getattr(sharder, "last_search_seconds", None) or seconds
+        info = getattr(sharder, "last_search_info", None)
         results.append(
-            Result(task.name, name, valid=True, plan=plan, search_seconds=seconds, memory_bytes=plan.memory_bytes(task))
+            Result(task.name, name, valid=True, plan=plan, search_seconds=seconds, memory_bytes=plan.memory_bytes(task),
+                   search_info=dict(info) if info else None)
         )
     return results
 
@@ -90,10 +104,16 @@ def evaluate_task(
     """Fill in estimated and/or measured costs of the valid results in place.
 
     `measured` measures all valid plans of the task together, interleaved (A B A B …),
-    so machine drift hits every algorithm alike; it also fills the estimate.
+    so machine drift hits every algorithm alike; it also fills the estimate. `traffic`
+    replays held-out batches through each plan (`evaluator` is a TrafficEvaluator).
     """
     valid = [r for r in results if r.valid]
     if mode == "none" or not valid:
+        return
+    if mode == "traffic":
+        fitted = [(r.search_info or {}).get("fit_batches") for r in valid]
+        for r, report in zip(valid, evaluator.evaluate(task, [r.plan for r in valid], fitted)):
+            r.traffic = report
         return
     if cost_model is not None:
         for r in valid:
