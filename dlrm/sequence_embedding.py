@@ -47,9 +47,15 @@ class CommLedger:
 
     host_of: list[int]
     rank: int
+    #: enter every collective through a barrier, timed apart (`wait_seconds`), so `seconds` is the
+    #: transfer itself and not the wait for the slowest rank (costs one barrier per collective)
+    barrier_first: bool = False
     bytes: dict[str, dict[str, float]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    wait_seconds: dict[str, float] = field(default_factory=dict)
     pair_bytes: dict[str, np.ndarray] = field(default_factory=dict)
+    #: when a list: every collective appends (purpose, out_splits, in_splits, dtype) (replay_collectives)
+    record: list | None = None
 
     def __post_init__(self) -> None:
         self.reset()
@@ -58,6 +64,7 @@ class CommLedger:
         n = len(self.host_of)
         self.bytes = {p: {"intra_host": 0.0, "inter_host": 0.0} for p in PURPOSES}
         self.seconds = {p: 0.0 for p in PURPOSES}
+        self.wait_seconds = {p: 0.0 for p in PURPOSES}
         self.pair_bytes = {p: np.zeros(n) for p in PURPOSES}
 
     def add(self, purpose: str, split_elements: list[int], element_bytes: int, seconds: float) -> None:
@@ -72,10 +79,34 @@ class CommLedger:
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                 group, ledger: CommLedger, purpose: str, element_bytes: int) -> torch.Tensor:
+    if ledger.barrier_first:
+        t0 = time.perf_counter()
+        dist.barrier(group=group)
+        ledger.wait_seconds[purpose] += time.perf_counter() - t0
     t0 = time.perf_counter()
     dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
     ledger.add(purpose, in_splits, element_bytes, time.perf_counter() - t0)
+    if ledger.record is not None:
+        ledger.record.append((purpose, list(out_splits), list(in_splits), inp.dtype))
     return out
+
+
+def replay_collectives(collectives: list, group=None, empty: bool = False) -> float:
+    """Run a recorded step's collectives again (same splits, fresh buffers, each entered through
+    a barrier) and return the seconds spent in the transfers: communication alone, without the
+    step's compute competing for the CPU. `empty`: the same collectives carrying nothing (their
+    fixed cost, the latency floor)."""
+    total = 0.0
+    for _, out_splits, in_splits, dtype in collectives:
+        if empty:
+            out_splits, in_splits = [0] * len(out_splits), [0] * len(in_splits)
+        inp = torch.ones(sum(in_splits), dtype=dtype)
+        out = torch.empty(sum(out_splits), dtype=dtype)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+        total += time.perf_counter() - t0
+    return total
 
 
 class _EmbeddingAllToAll(torch.autograd.Function):
@@ -127,10 +158,12 @@ class ShardedSequenceEmbedding(nn.Module):
         rank, world_size: this process's rank in `group` (world size = task.num_devices).
         weights: optional full tables (original row order) to copy the local rows from;
             otherwise `init_rows`.
+        barrier_first: time the wait for the slowest rank apart from each transfer (CommLedger).
     """
 
     def __init__(self, task: Task, plan: Plan, rank: int, world_size: int, group=None,
-                 weights: Mapping[str, torch.Tensor] | None = None, seed: int = 0, init_scale: float = 0.05):
+                 weights: Mapping[str, torch.Tensor] | None = None, seed: int = 0, init_scale: float = 0.05,
+                 barrier_first: bool = False):
         super().__init__()
         if world_size != task.num_devices:
             raise PlanError(f"task {task.name!r} has {task.num_devices} devices, the process group {world_size}")
@@ -143,7 +176,7 @@ class ShardedSequenceEmbedding(nn.Module):
         for name, route in self.routes.items():
             if not route.full_width:
                 raise PlanError(f"table {name!r}: the sequence data path needs full-width shards (no column splits)")
-        self.ledger = CommLedger([d // task.devices_per_host for d in range(world_size)], rank)
+        self.ledger = CommLedger([d // task.devices_per_host for d in range(world_size)], rank, barrier_first)
         copies: dict[tuple, int] = {}
         for s in plan.shards:
             copies[s.rectangle] = copies.get(s.rectangle, 0) + 1

@@ -293,3 +293,37 @@ def test_bad_topology_or_sequence_input_one_line_error_no_files(tmp_path, capsys
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == before and not out.exists()
+
+
+# ---------------------------------------------------------------------------- train.py sequence stages
+@pytest.mark.parametrize("experiment", ["flexshard_e2e", "flexshard_model_zipf1"])  # tiny: below; zipf1 includes model
+def test_sequence_experiments_compose(experiment):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["stage=sequence_throughput", f"experiment={experiment}"])
+    assert cfg.sequence.task.hosts * cfg.sequence.task.devices_per_host >= 4
+    assert set(cfg.sequence.plans) <= set(cfg.searchers) and cfg.sequence.reference in cfg.sequence.plans
+    assert cfg.sequence.trace.samples >= cfg.sequence.task.batch_size * (cfg.sequence.fit_batches + cfg.sequence.eval_batches)
+
+
+def test_sequence_task_stage_and_plan_checks(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from dlrm.sequence_stages import resolve_sequence_plans, run_sequence_task
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "stage=sequence_task", "experiment=flexshard_tiny", f"sequence.trace.path={tmp_path / 'trace.pt'}",
+            f"out_dir={tmp_path / 'out'}"])
+    run_sequence_task(cfg, ROOT)
+    task = Task.load(tmp_path / "out" / "task.json")
+    assert all(t.is_sequence and t.trace is not None for t in task.tables) and task.hosts == 2
+    plans, fitted = resolve_sequence_plans(["flexshard", "row_wise"], task, 4, lambda n: instantiate(cfg.searchers[n]),
+                                           list(cfg.searchers), fit_batches=4)
+    assert list(plans) == ["flexshard", "row_wise"] and fitted["flexshard"] == 4
+    with pytest.raises(PlanError, match="nproc_per_node 4"):
+        resolve_sequence_plans(["row_wise"], task, 2, None, ["row_wise"], fit_batches=4)
+    with pytest.raises(InputError, match="fitted on steps"):
+        resolve_sequence_plans(["flexshard"], task, 4, lambda n: instantiate(cfg.searchers[n]), ["flexshard"], fit_batches=2)

@@ -3,6 +3,8 @@ tier layout (replicated / per host / split), and the memory check every builder 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -95,3 +97,12 @@ def check_fits(task: Task, plan: Plan) -> Plan:
             shortfall_bytes=over,
         )
     return plan
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    """A hash of everything a plan says, its row maps' contents included."""
+    h = hashlib.sha256(json.dumps(plan.to_dict(), sort_keys=True).encode())
+    for name in sorted(plan.row_maps):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(plan.row_maps[name], dtype=np.int64).tobytes())
+    return h.hexdigest()[:16]

@@ -34,10 +34,11 @@ def format_traffic(results: Sequence[Any]) -> str:
     """Fixed-width table: per task and algorithm, MB per step and the modeled comm time."""
     header = ["task", "algorithm", "a2a intra MB", "a2a inter MB", "a2a total MB", "replica sync MB",
               "total MB", "busiest dev MB", "modeled ms", "max dev mem GB"]
-    lines = []
+    lines, invalid = [], []
     for row in traffic_rows(results):
         if "modeled_comm_ms" not in row:
-            lines.append([row["task"], row["algorithm"], f"INVALID: {row['error']}"[:60]] + [""] * (len(header) - 3))
+            lines.append([row["task"], row["algorithm"], "INVALID"] + ["-"] * (len(header) - 3))
+            invalid.append(f"  {row['algorithm']} on {row['task']}: {row['error']}")
             continue
         lines.append([row["task"], row["algorithm"]] + [f"{row[k]:.2f}" for k in (
             "a2a_intra_mb", "a2a_inter_mb", "a2a_total_mb", "sync_mb", "total_mb", "busiest_mb")] +
@@ -45,7 +46,7 @@ def format_traffic(results: Sequence[Any]) -> str:
     widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(l, widths)) for l in lines]
-    return "\n".join(out)
+    return "\n".join(out + (["no valid plan:"] + invalid if invalid else []))
 
 
 def plot_traffic(results: Sequence[Any], path: str | os.PathLike) -> bool:

@@ -104,4 +104,4 @@ class FlexShardSharder:
             "replicated_rows_at_or_above_hugectr_threshold": int((both >= threshold).sum()),
             "least_accesses_per_step_replicated": float(both.min()) if both.size else None,
         }
-        log.info("flexshard on %s: %s", task.name, self.last_search_info)
+        log.debug("flexshard on %s: %s", task.name, self.last_search_info)
