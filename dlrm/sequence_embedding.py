@@ -91,13 +91,13 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_
     return out
 
 
-def replay_collectives(collectives: list, group=None, empty: bool = False) -> float:
+def replay_collectives(collectives: list, group=None, empty: bool = False) -> dict[str, float]:
     """Run a recorded step's collectives again (same splits, fresh buffers, each entered through
     a barrier) and return the seconds spent in the transfers: communication alone, without the
-    step's compute competing for the CPU. `empty`: the same collectives carrying nothing (their
-    fixed cost, the latency floor)."""
-    total = 0.0
-    for _, out_splits, in_splits, dtype in collectives:
+    step's compute competing for the CPU, by purpose. `empty`: the same collectives carrying
+    nothing (their fixed cost, the latency floor)."""
+    total = {p: 0.0 for p in PURPOSES}
+    for purpose, out_splits, in_splits, dtype in collectives:
         if empty:
             out_splits, in_splits = [0] * len(out_splits), [0] * len(in_splits)
         inp = torch.ones(sum(in_splits), dtype=dtype)
@@ -105,7 +105,7 @@ def replay_collectives(collectives: list, group=None, empty: bool = False) -> fl
         dist.barrier(group=group)
         t0 = time.perf_counter()
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
-        total += time.perf_counter() - t0
+        total[purpose] += time.perf_counter() - t0
     return total
 
 

@@ -184,6 +184,7 @@ def replay_comm(session, models: dict, batch, repetitions: int) -> dict[str, dic
     import itertools
 
     from dlrm.sequence_embedding import replay_collectives
+    from embshard.flexshard.traffic import PURPOSES
 
     recorded = {}
     for label, model in models.items():
@@ -192,19 +193,21 @@ def replay_comm(session, models: dict, batch, repetitions: int) -> dict[str, dic
         recorded[label] = model.embeddings.ledger.record
         model.embeddings.ledger.record = None
     labels = list(models)
-    times: dict[str, list[float]] = {label: [] for label in labels}
-    floor: dict[str, list[float]] = {label: [] for label in labels}
+    times: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
+    floor: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
     for r in range(repetitions):
         for label in labels[r % len(labels):] + labels[: r % len(labels)]:
             for empty, acc in ((False, times), (True, floor)):
-                mine = replay_collectives(recorded[label], empty=empty)
-                acc[label].append(1e3 * max(session.all_gather_object(mine)))
+                ranks = session.all_gather_object(replay_collectives(recorded[label], empty=empty))
+                acc[label].append({p: 1e3 * max(x[p] for x in ranks) for p in ranks[0]})
     out = {}
     for label in labels:
-        q1, med, q3 = np.percentile(times[label], [25, 50, 75]) if times[label] else (0.0, 0.0, 0.0)
-        out[label] = {"median_ms": float(med), "iqr_ms": float(q3 - q1), "repetitions": len(times[label]),
+        total = [sum(x.values()) for x in times[label]]
+        q1, med, q3 = np.percentile(total, [25, 50, 75]) if total else (0.0, 0.0, 0.0)
+        out[label] = {"median_ms": float(med), "iqr_ms": float(q3 - q1), "repetitions": len(total),
                       "collectives": len(recorded[label]),
-                      "floor_ms": float(np.median(floor[label])) if floor[label] else 0.0}
+                      "median_ms_by_purpose": {p: float(np.median([x[p] for x in times[label]])) for p in PURPOSES},
+                      "floor_ms": float(np.median([sum(x.values()) for x in floor[label]])) if floor[label] else 0.0}
     return out
 
 

@@ -63,7 +63,7 @@ def plot_traffic(results: Sequence[Any], path: str | os.PathLike) -> bool:
     import matplotlib.pyplot as plt
 
     names = [r.algorithm for r in rows]
-    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(max(10.0, 1.6 * len(names) * 2), 4.6))
+    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(min(16.0, max(10.0, 2.2 * len(names))), 4.8))
     bottom = [0.0] * len(rows)
     for purpose, color in _PURPOSE_COLORS.items():
         for cls, hatch in (("intra_host", None), ("inter_host", "//")):
