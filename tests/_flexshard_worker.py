@@ -1,6 +1,6 @@
 """One rank of tests/test_flexshard_data_path.py: ShardedSequenceEmbedding under several plans.
 
-Usage: python _flexshard_worker.py RANK WORLD_SIZE PORT DIR
+Usage: python _flexshard_worker.py RANK WORLD_SIZE DIR   (rendezvous through DIR/rendezvous, a file)
 
 DIR holds task.json, plans/<name>.json, inputs.pt (full weights, the global batch per table,
 a fixed projection per id) written by the test. For each plan this rank embeds its slice of
@@ -16,13 +16,13 @@ import sys
 from datetime import timedelta
 
 
-def main(rank: int, world: int, port: int, folder: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def main(rank: int, world: int, folder: str) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'rendezvous')}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
     try:
         run(rank, world, folder)
     finally:
@@ -74,7 +74,7 @@ def run(rank: int, world: int, folder: str) -> None:
     module = ShardedSequenceEmbedding(task, plan, rank, world, weights=inputs["weights"])
     opt = torch.optim.SGD(module.parameters(), lr=0.5)
     curve = []
-    for step in range(12):
+    for step in range(10):
         opt.zero_grad()
         out = module(mine)
         loss = sum(((out[t.name] * inputs["readout"][t.name]).sum(1) - inputs["target"][t.name][mine[t.name]]).pow(2).mean()
@@ -90,4 +90,4 @@ def run(rank: int, world: int, folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

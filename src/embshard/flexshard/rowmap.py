@@ -53,15 +53,8 @@ class RowMap:
         if self.size == 0:
             return ids
         out = ids.clone()
-        sorted_ids = torch.from_numpy(self._sorted_ids)
-        pos = torch.searchsorted(sorted_ids, ids).clamp_(max=self.size - 1)
-        moved = sorted_ids[pos] == ids
-        out[moved] = torch.from_numpy(self._sorted_new)[pos[moved]]
-        if self._vacated.size:
-            vac = torch.from_numpy(self._vacated)
-            vpos = torch.searchsorted(vac, ids).clamp_(max=vac.numel() - 1)
-            displaced = (vac[vpos] == ids) & ~moved
-            out[displaced] = torch.from_numpy(self._holes)[vpos[displaced]]
+        moved = _assign(out, ids, self._sorted_ids, self._sorted_new)
+        _assign(out, ids, self._vacated, self._holes, skip=moved)
         return out
 
     def to_original(self, new_ids: torch.Tensor) -> torch.Tensor:
@@ -71,9 +64,20 @@ class RowMap:
         out = new_ids.clone()
         front = new_ids < self.size
         out[front] = torch.from_numpy(self.front)[new_ids[front]]
-        if self._holes.size:
-            holes = torch.from_numpy(self._holes)
-            hpos = torch.searchsorted(holes, new_ids).clamp_(max=holes.numel() - 1)
-            back = (holes[hpos] == new_ids) & ~front
-            out[back] = torch.from_numpy(self._vacated)[hpos[back]]
+        _assign(out, new_ids, self._holes, self._vacated, skip=front)
         return out
+
+
+def _assign(out: torch.Tensor, x: torch.Tensor, keys: np.ndarray, values: np.ndarray,
+            skip: torch.Tensor | None = None) -> torch.Tensor:
+    """Where x is one of the sorted `keys` (and not `skip`), set out to the matching `values`;
+    returns where that was."""
+    if keys.size == 0:
+        return torch.zeros_like(x, dtype=torch.bool)
+    k = torch.from_numpy(keys)
+    pos = torch.searchsorted(k, x).clamp_(max=k.numel() - 1)
+    hit = k[pos] == x
+    if skip is not None:
+        hit &= ~skip
+    out[hit] = torch.from_numpy(values)[pos[hit]]
+    return hit
