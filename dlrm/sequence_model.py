@@ -17,7 +17,6 @@ part's are averaged by DDP.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 

@@ -10,7 +10,7 @@ a device's own lookups cost nothing):
   (TorchRec's SequenceEmbeddingsAllToAll); a pooled table returns the piece's pooled partial
   sums for every sample of the requester (TorchRec's pooled row-wise / table-wise output);
 * gradients_bw: the same sizes, back;
-* replica_sync: the all-reduce of replicated rows' gradients (embeddings.flexshard.routing).
+* replica_sync: the all-reduce of replicated rows' gradients (embshard.flexshard.routing).
 
 Each pair's bytes are classed `intra_host` or `inter_host` by the task's topology. The
 modeled time of a step adds its collective phases (ids, embeddings, gradients, the four sync
