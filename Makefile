@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv clean checkpoint neuroshard-eval trust-eval e2e
+.PHONY: demo test venv clean checkpoint neuroshard-eval trust-eval e2e flexshard
 
 venv: $(STAMP)
 
@@ -83,3 +83,21 @@ e2e: $(STAMP)
 		dlrm.shard_report=$(E2E)/shard/report.json out_dir=$(E2E)/throughput
 	$(TORCHRUN) train.py stage=dlrm experiment=e2e_embedding_heavy dlrm.task_file=$(E2E)/task.json \
 		dlrm.plan=$(E2E_PLANS)/neuroshard.json dlrm.steps=300 out_dir=$(E2E)/train_neuroshard
+
+# FlexShard on this CPU (README "FlexShard"): for calibrated and item-popularity (Zipf 1.0) sequence
+# traces, the 24-table task on 2 hosts x 8 devices, every baseline and FlexShard replayed on held-out
+# steps (evaluate=traffic), the memory-cap curve, planning time for 856 tables on 128 devices, and the
+# sequence DLRM trained under the plans by 4 gloo processes (2 hosts x 2 devices). About 25 min here.
+FS := experiments/flexshard
+FS_ALGOS := [table_wise,row_wise,row_wise_dedup,table_row_wise,data_parallel,hugectr_hybrid,flexshard,flexshard_dedup]
+TORCHRUN4 := $(PY) -m torch.distributed.run --standalone --nproc_per_node 4
+
+flexshard: $(STAMP)
+	for v in calibrated:flexshard_model zipf1:flexshard_model_zipf1; do \
+		d=$(FS)/$${v%%:*}; x=$${v##*:}; \
+		$(PY) train.py stage=sequence_task experiment=$$x out_dir=$$d && \
+		$(PY) shard.py task_file=$$d/task.json algorithms=$(FS_ALGOS) evaluate=traffic traffic.eval_batches=2 out_dir=$$d/shard && \
+		$(PY) scripts/flexshard_curve.py $$d/task.json --factors 1.0,1.05,1.1,1.25,1.5,2 --out $$d/curve || exit 1; \
+	done
+	$(PY) scripts/bench_flexshard_planning.py
+	$(TORCHRUN4) train.py stage=sequence_throughput experiment=flexshard_e2e out_dir=$(FS)/e2e

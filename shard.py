@@ -58,11 +58,15 @@ def run(cfg: DictConfig) -> float | None:
 
             tasks = build_default_tasks(cfg.default_tasks, staging / "default_tasks", seed=cfg.seed)
         sharders = {name: instantiate(cfg.searchers[name]) for name in algorithms}
-        cost_model = instantiate(cfg.cost_model) if cfg.evaluate != "none" else None
+        cost_model = instantiate(cfg.cost_model) if cfg.evaluate in ("estimated", "measured") else None
         evaluator = instantiate(cfg.hardware) if cfg.evaluate == "measured" else None
         for sharder in sharders.values():  # NeuroShard's measured guard (verify=auto: on when measuring)
             if callable(getattr(sharder, "attach_evaluator", None)):
                 sharder.attach_evaluator(evaluator)
+        if cfg.evaluate == "traffic":
+            evaluator = instantiate(cfg.traffic)
+            for task in tasks:  # traces long enough for the fit and held-out steps, before any planning
+                evaluator.check_task(task)
 
         results = []
         for task in tasks:
@@ -71,7 +75,7 @@ def run(cfg: DictConfig) -> float | None:
             evaluate_task(task, task_results, cfg.evaluate, cost_model, evaluator, rounds=cfg.rounds)
             results += task_results
 
-        metric = "measured_cost_ms" if cfg.evaluate == "measured" else "estimated_cost_ms"
+        metric = {"measured": "measured_cost_ms", "traffic": "modeled_comm_ms"}.get(cfg.evaluate, "estimated_cost_ms")
         summary = summarize(results, metric) if cfg.evaluate != "none" else summarize(results, "search_seconds")
         _write_outputs(staging, cfg, tasks, results, summary, metric)
         _publish(staging, out_dir)
@@ -79,12 +83,17 @@ def run(cfg: DictConfig) -> float | None:
         shutil.rmtree(staging, ignore_errors=True)
 
     print(f"\n{len(tasks)} task(s), evaluate={cfg.evaluate}:")
+    if cfg.evaluate == "traffic":
+        from embshard.flexshard.report import format_traffic
+
+        print(format_traffic(results))
     if cfg.evaluate != "none":
         print(format_table(summary, metric))
     else:
         for r in results:
             print(f"  {r.task:24s} {r.algorithm:20s} {'valid' if r.valid else 'INVALID: ' + str(r.error)}")
-    print(f"\nwrote {out_dir}/report.json, plans/, config.yaml" + (", measured_cost.png" if (out_dir / "measured_cost.png").exists() else ""))
+    charts = [c for c in ("measured_cost.png", "traffic.png") if (out_dir / c).exists()]
+    print(f"\nwrote {out_dir}/report.json, plans/, config.yaml" + "".join(f", {c}" for c in charts))
     first = summary[0].get(f"mean_{metric}") if cfg.evaluate != "none" else None
     return first
 
@@ -110,6 +119,10 @@ def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metr
     write_text_atomic(staging / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     if cfg.plot and cfg.evaluate == "measured":
         plot_costs(results, staging / "measured_cost.png", metric)
+    if cfg.plot and cfg.evaluate == "traffic":
+        from embshard.flexshard.report import plot_traffic
+
+        plot_traffic(results, staging / "traffic.png")
 
 
 def _existing_parent(path: Path) -> Path:

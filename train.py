@@ -11,6 +11,8 @@ pre-training, and end-to-end DLRM training under sharding plans.
     torchrun --nproc_per_node 2 train.py stage=dlrm dlrm.plan=neuroshard        # DLRM training under a plan
     torchrun --nproc_per_node 2 train.py stage=throughput experiment=e2e_embedding_heavy \
         dlrm.plans=[neuroshard,torchrec,pile_up]                              # samples/s per plan
+    python train.py stage=sequence_task experiment=flexshard_e2e out_dir=DIR  # FlexShard: a sequence task
+    torchrun --nproc_per_node 4 train.py stage=sequence_throughput experiment=flexshard_e2e  # sequence DLRM per plan
 
 Every run writes its resolved config (config.yaml) beside its outputs.
 """
@@ -30,7 +32,8 @@ from embshard.errors import InputError
 
 log = logging.getLogger("train")
 ROOT = Path(__file__).resolve().parent
-STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain", "refine", "dlrm_task", "dlrm", "throughput")
+STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain", "refine", "dlrm_task", "dlrm", "throughput",
+          "sequence_task", "sequence_throughput")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -45,6 +48,17 @@ def run(cfg: DictConfig) -> float | None:
         raise InputError(f"unknown stage {cfg.stage!r}; choose from {', '.join(STAGES)}")
     if cfg.stage in ("dlrm", "throughput"):
         return run_end_to_end(cfg)
+    if cfg.stage == "sequence_task":  # FlexShard: dlrm/sequence_stages.py
+        from dlrm.sequence_stages import run_sequence_task
+
+        return run_sequence_task(cfg, ROOT)
+    if cfg.stage == "sequence_throughput":
+        from hydra.utils import instantiate
+
+        from dlrm.sequence_stages import run_sequence_throughput
+
+        return run_sequence_throughput(cfg, lambda name: instantiate(cfg.searchers[name]), list(cfg.searchers),
+                                       ROOT / "outputs" / "train" / cfg.stage, ROOT)
     if cfg.stage == "dlrm_task":  # the end-to-end task alone, e.g. to plan it with shard.py first
         from dlrm.stages import load_task
 

@@ -15,7 +15,7 @@ from embshard.task import Task
 
 log = logging.getLogger(__name__)
 
-EVALUATE_MODES = ("none", "estimated", "measured")
+EVALUATE_MODES = ("none", "estimated", "measured", "traffic")
 #: the extra row of a guarded searcher: its own pick before the guard's measurement
 PICK_SUFFIX = "_pick"
 
@@ -37,6 +37,10 @@ class Result:
     envelope: dict[str, Any] | None = None
     #: the measured guard's candidates and choice (NeuroShard with verify > 0)
     guard: dict[str, Any] | None = None
+    #: evaluate=traffic: an embshard.flexshard.traffic.TrafficReport
+    traffic: Any = None
+    #: what the searcher reports about its own search (e.g. the batches it was fitted on)
+    search_info: dict[str, Any] | None = None
 
     @property
     def estimated_cost_ms(self) -> float | None:
@@ -45,6 +49,10 @@ class Result:
     @property
     def measured_cost_ms(self) -> float | None:
         return self.measured.plan_cost_ms if self.measured else None
+
+    @property
+    def modeled_comm_ms(self) -> float | None:
+        return self.traffic.modeled_comm_ms if self.traffic is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -62,6 +70,10 @@ class Result:
             "headroom": {k: c.headroom() for k, c in (("estimated", self.estimated), ("measured", self.measured)) if c},
             "envelope": self.envelope,
             "guard": self.guard,
+            "traffic_bytes": self.traffic.traffic_bytes if self.traffic is not None else None,
+            "modeled_comm_ms": self.modeled_comm_ms,
+            "traffic": self.traffic.to_dict() if self.traffic is not None else None,
+            "search_info": self.search_info,
         }
 
 
@@ -83,9 +95,10 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder]) -> list[Result]:
         # A sharder may report its own pure search time (TorchRec's excludes model building).
         seconds = getattr(sharder, "last_search_seconds", None) or seconds
         guard = getattr(sharder, "last_guard", None)
+        info = getattr(sharder, "last_search_info", None)
         results.append(
             Result(task.name, name, valid=True, plan=plan, search_seconds=seconds, memory_bytes=plan.memory_bytes(task),
-                   guard=guard.to_dict() if guard is not None else None)
+                   guard=guard.to_dict() if guard is not None else None, search_info=dict(info) if info else None)
         )
         if guard is not None:
             # the search's own pick beside the guarded one, so the model's quality stays visible
@@ -106,10 +119,16 @@ def evaluate_task(
     """Fill in estimated and/or measured costs of the valid results in place.
 
     `measured` measures all valid plans of the task together, interleaved (A B A B …),
-    so machine drift hits every algorithm alike; it also fills the estimate.
+    so machine drift hits every algorithm alike; it also fills the estimate. `traffic`
+    replays held-out batches through each plan (`evaluator` is a TrafficEvaluator).
     """
     valid = [r for r in results if r.valid]
     if mode == "none" or not valid:
+        return
+    if mode == "traffic":
+        fitted = [(r.search_info or {}).get("fit_batches") for r in valid]
+        for r, report in zip(valid, evaluator.evaluate(task, [r.plan for r in valid], fitted)):
+            r.traffic = report
         return
     if cost_model is not None:
         report = getattr(cost_model, "envelope_report", None)

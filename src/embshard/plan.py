@@ -1,17 +1,37 @@
-"""Shards, plans, the one plan validator, and plan JSON (DESIGN.md, "Contracts")."""
+"""Shards, plans, the one plan validator, and plan JSON (DESIGN.md, "Contracts").
+
+Row-level plans (FlexShard and its baselines) use two optional additions, both absent from
+older plan JSON, which stays valid and round-trips unchanged:
+
+* `replica` on a shard (default 0): replica 0 of a table covers it exactly once; a shard with
+  replica k >= 1 is a copy of a replica-0 rectangle on another device (counted in memory,
+  its gradients synchronised in training).
+* `row_maps` on the plan: per table, a sidecar .npy file of row ids that are moved to the
+  front of the table, in their new order (`front[new_id] = original row id`); the rows they
+  displace take their places in order, every other row keeps its id (embshard.flexshard.rowmap).
+  Shards then address rows of the remapped table. `dedup_ids` says the data path sends each
+  distinct id once per (device, table), as TorchRec's use_index_dedup.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import io
 import math
 import os
+import re
 import warnings
+import zlib
+from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from embshard.errors import InfeasibleError, InputError, PlanError
-from embshard.io import write_json_atomic
+from embshard.io import atomic_path, write_json_atomic
 from embshard.tables import DIM_ALIGNMENT, Table, _is_int
 from embshard.task import Task, read_json
 
@@ -26,13 +46,22 @@ class Shard:
     dim: int
     row_offset: int
     rows: int
+    #: 0: the primary copy; k >= 1: the k-th extra copy of the same rectangle (replication).
+    replica: int = 0
 
     @classmethod
     def whole(cls, table: Table, device: int) -> "Shard":
         return cls(table.name, device, 0, table.dim, 0, table.rows)
 
+    @property
+    def rectangle(self) -> tuple[str, int, int, int, int]:
+        return (self.table, self.row_offset, self.rows, self.col_offset, self.dim)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if not self.replica:
+            d.pop("replica")
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "Shard":
@@ -42,19 +71,24 @@ class Shard:
         missing = [f for f in fields if f not in d]
         if missing:
             raise InputError(f"shard of table {d.get('table')!r}: missing field(s) {missing}")
-        for f in fields[1:]:
+        for f in fields[1:] + (("replica",) if "replica" in d else ()):
             if not _is_int(d[f]):
                 raise InputError(f"shard of table {d['table']!r}: {f} must be an integer, got {d[f]!r}")
-        return cls(**{f: d[f] for f in fields})
+        return cls(**{f: d[f] for f in fields}, replica=d.get("replica", 0))
 
 
 @dataclass
 class Plan:
-    """Where every piece of every table lives."""
+    """Where every piece of every table lives.
+
+    `row_maps` (table -> int64 array) and `dedup_ids` are for row-level plans (module docstring).
+    """
 
     task: str
     algorithm: str
     shards: list[Shard] = field(default_factory=list)
+    row_maps: dict[str, np.ndarray] = field(default_factory=dict)
+    dedup_ids: bool = False
 
     def shards_on(self, device: int) -> list[Shard]:
         return [s for s in self.shards if s.device == device]
@@ -67,23 +101,32 @@ class Plan:
         return widths
 
     def memory_bytes(self, task: Task) -> list[int]:
-        """Bytes each device allocates under this plan (weights, optimizer state, I/O)."""
+        """Bytes each device allocates under this plan (weights, optimizer state, I/O), every
+        replica counted on its own device."""
         tables = task.table_by_name
         used = [0] * task.num_devices
+        copies = Counter(s.rectangle for s in self.shards)
         for s in self.shards:
             if 0 <= s.device < task.num_devices and s.table in tables:
-                used[s.device] += task.shard_memory_bytes(tables[s.table], s.rows, s.dim)
+                used[s.device] += task.shard_memory_bytes(tables[s.table], s.rows, s.dim, copies[s.rectangle])
         return used
 
     def signature(self) -> tuple:
         """Where every piece lives, whatever the algorithm's name or the shard order."""
-        return tuple(sorted((s.table, s.device, s.col_offset, s.dim, s.row_offset, s.rows) for s in self.shards))
+        return tuple(sorted((s.table, s.device, s.col_offset, s.dim, s.row_offset, s.rows, s.replica) for s in self.shards))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"task": self.task, "algorithm": self.algorithm, "shards": [s.to_dict() for s in self.shards]}
+    def to_dict(self, row_map_files: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"task": self.task, "algorithm": self.algorithm, "shards": [s.to_dict() for s in self.shards]}
+        if row_map_files:
+            d["row_maps"] = row_map_files
+        if self.dedup_ids:
+            d["dedup_ids"] = True
+        return d
 
     @classmethod
-    def from_dict(cls, d: Any, source: str = "plan") -> "Plan":
+    def from_dict(cls, d: Any, source: str = "plan", base_dir: str | os.PathLike | None = None) -> "Plan":
+        """A plan from its JSON object; sidecar row maps resolve against `base_dir` (the plan
+        file's folder; the working directory when None)."""
         if not isinstance(d, dict):
             raise InputError(f"{source}: a plan must be a JSON object, got {type(d).__name__}")
         missing = {"task", "algorithm", "shards"} - set(d)
@@ -91,14 +134,63 @@ class Plan:
             raise InputError(f"{source}: missing field(s) {sorted(missing)}")
         if not isinstance(d["shards"], list):
             raise InputError(f"{source}: 'shards' must be a list")
-        return cls(str(d["task"]), str(d["algorithm"]), [Shard.from_dict(s) for s in d["shards"]])
+        dedup = d.get("dedup_ids", False)
+        if not isinstance(dedup, bool):
+            raise InputError(f"{source}: 'dedup_ids' must be true or false, got {dedup!r}")
+        row_maps = _load_row_maps(d.get("row_maps", {}), source, Path(base_dir) if base_dir is not None else Path("."))
+        return cls(str(d["task"]), str(d["algorithm"]), [Shard.from_dict(s) for s in d["shards"]], row_maps, dedup)
 
     def save(self, path: str | os.PathLike) -> None:
-        write_json_atomic(path, self.to_dict())
+        """Write the plan JSON, and each row map as a sidecar `<stem>.rowmaps/<table>.npy`
+        beside it (each file written atomically, the JSON last)."""
+        path = Path(path)
+        files: dict[str, dict[str, Any]] = {}
+        for name, ids in self.row_maps.items():
+            rel = f"{path.stem}.rowmaps/{_safe_file_name(name)}.npy"
+            buf = io.BytesIO()
+            np.save(buf, np.ascontiguousarray(ids, dtype=np.int64), allow_pickle=False)
+            data = buf.getvalue()
+            with atomic_path(path.parent / rel) as tmp:
+                tmp.write_bytes(data)
+            files[name] = {"file": rel, "rows": int(len(ids)), "sha256": hashlib.sha256(data).hexdigest()}
+        write_json_atomic(path, self.to_dict(files))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
-        return cls.from_dict(read_json(path), source=str(path))
+        return cls.from_dict(read_json(path), source=str(path), base_dir=Path(path).parent)
+
+
+def _safe_file_name(table: str) -> str:
+    """A file name for a table's sidecar: its name where that is safe, made unique by a checksum."""
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', table)[:64]}-{zlib.crc32(table.encode()):08x}"
+
+
+def _load_row_maps(spec: Any, source: str, base_dir: Path) -> dict[str, np.ndarray]:
+    """Read and check the sidecar row maps a plan names (np.load without pickle: data only)."""
+    if not isinstance(spec, dict):
+        raise InputError(f"{source}: 'row_maps' must be an object {{table: {{file, rows, sha256}}}}")
+    out: dict[str, np.ndarray] = {}
+    for table, entry in spec.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not _is_int(entry.get("rows")):
+            raise InputError(f"{source}: row map of table {table!r} must be {{'file': str, 'rows': int, 'sha256': str}}")
+        file = base_dir / entry["file"]
+        try:
+            data = file.read_bytes()
+        except OSError:
+            raise InputError(f"{source}: row map of table {table!r}: {file}: no such file") from None
+        if "sha256" in entry and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise InputError(f"{source}: row map of table {table!r}: {file} does not match its sha256 (changed or truncated)")
+        try:
+            ids = np.load(io.BytesIO(data), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise InputError(f"{source}: row map of table {table!r}: {file} is not a .npy array ({e})") from None
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) != entry["rows"]:
+            raise InputError(
+                f"{source}: row map of table {table!r}: {file} must be a 1-D integer array of {entry['rows']} ids, "
+                f"got shape {ids.shape} {ids.dtype}"
+            )
+        out[str(table)] = ids.astype(np.int64, copy=False)
+    return out
 
 
 def even_row_layout(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -145,8 +237,11 @@ def validate(task: Task, plan: Plan) -> None:
     """Raise PlanError unless `plan` is a valid plan for `task`.
 
     Rules: every shard names a table of the task and a device in range; column offsets and
-    widths are multiples of 4; every table's rows × columns are covered exactly once; every
-    device's memory (weights + optimizer state + pooled I/O) fits its budget.
+    widths are multiples of 4; every table's rows × columns are covered exactly once by its
+    replica-0 shards; every shard with replica k >= 1 copies a replica-0 rectangle of the same
+    table onto another device, and no rectangle has two copies with the same replica index or
+    on the same device; row maps hold distinct row ids of their table; every device's memory
+    (weights + optimizer state + I/O, replicas included) fits its budget.
     """
     if plan.task != task.name:
         raise PlanError(f"plan is for task {plan.task!r}, not {task.name!r}")
@@ -158,7 +253,7 @@ def validate(task: Task, plan: Plan) -> None:
         if not 0 <= s.device < task.num_devices:
             raise PlanError(f"table {s.table!r}: device {s.device} out of range 0..{task.num_devices - 1}")
         t = tables[s.table]
-        if s.dim <= 0 or s.rows <= 0 or s.col_offset < 0 or s.row_offset < 0:
+        if s.dim <= 0 or s.rows <= 0 or s.col_offset < 0 or s.row_offset < 0 or s.replica < 0:
             raise PlanError(f"table {s.table!r}: shard has non-positive size or negative offset: {s}")
         if s.col_offset % DIM_ALIGNMENT or s.dim % DIM_ALIGNMENT:
             raise PlanError(
@@ -173,9 +268,15 @@ def validate(task: Task, plan: Plan) -> None:
         by_table[s.table].append(s)
     for name, shards in by_table.items():
         t = tables[name]
-        if not shards:
+        primary = [s for s in shards if s.replica == 0]
+        if not primary:
             raise PlanError(f"table {name!r} is not placed on any device")
-        _check_exact_cover(t, shards)
+        _check_exact_cover(t, primary)
+        _check_replicas(t, shards)
+    for name, ids in plan.row_maps.items():
+        if name not in tables:
+            raise PlanError(f"row map names table {name!r}, which task {task.name!r} does not have")
+        _check_row_map(tables[name], ids)
     for name, device, n in pieces_sharing_a_device(plan):
         warnings.warn(f"plan {plan.algorithm!r}: table {name!r} has {n} pieces on device {device}; one kernel "
                       "then looks each bag up once per piece (merge them: embshard.plan.normalize)",
@@ -195,10 +296,15 @@ class PlanWarning(UserWarning):
 
 
 def pieces_sharing_a_device(plan: Plan) -> list[tuple[str, int, int]]:
-    """(table, device, number of pieces) wherever one device holds several pieces of a table."""
+    """(table, device, number of pieces) wherever one device holds several pieces of a table.
+
+    Row-level plans (tables with replicas or a row map) are left out: their tiers are looked
+    up by the sequence data path, one lookup per id, not by one pooled kernel per piece."""
+    row_level = set(plan.row_maps) | {s.table for s in plan.shards if s.replica}
     counts: dict[tuple[str, int], int] = {}
     for s in plan.shards:
-        counts[(s.table, s.device)] = counts.get((s.table, s.device), 0) + 1
+        if s.table not in row_level:
+            counts[(s.table, s.device)] = counts.get((s.table, s.device), 0) + 1
     return [(t, d, n) for (t, d), n in counts.items() if n > 1]
 
 
@@ -210,7 +316,8 @@ def normalize(task: Task, plan: Plan) -> Plan:
     device's work except that its kernel looks each bag up once, not once per piece. Row or
     grid pieces on one device are merged where they are adjacent rectangles (row ids are not
     interchangeable). Shards keep the order of their first appearance."""
-    if not pieces_sharing_a_device(plan):
+    sharing = {name for name, _, _ in pieces_sharing_a_device(plan)}
+    if not sharing:
         return plan
     tables = task.table_by_name
     by_table: dict[str, list[Shard]] = {}
@@ -219,7 +326,9 @@ def normalize(task: Task, plan: Plan) -> Plan:
     out: list[Shard] = []
     for name, shards in by_table.items():
         t = tables[name]
-        if all(s.row_offset == 0 and s.rows == t.rows for s in shards):
+        if name not in sharing:
+            out += shards
+        elif all(s.row_offset == 0 and s.rows == t.rows for s in shards):
             widths: dict[int, int] = {}
             for s in sorted(shards, key=lambda s: s.col_offset):
                 widths[s.device] = widths.get(s.device, 0) + s.dim
@@ -229,7 +338,7 @@ def normalize(task: Task, plan: Plan) -> Plan:
                 off += w
         else:
             out += _merge_adjacent(shards)
-    return Plan(plan.task, plan.algorithm, out)
+    return dataclasses.replace(plan, shards=out)
 
 
 def _merge_adjacent(shards: Sequence[Shard]) -> list[Shard]:
@@ -258,8 +367,45 @@ def _merge_adjacent(shards: Sequence[Shard]) -> list[Shard]:
     return merged
 
 
+def _check_replicas(table: Table, shards: Sequence[Shard]) -> None:
+    """Copies (replica >= 1) must repeat a replica-0 rectangle, each on its own device."""
+    holders: dict[tuple, list[Shard]] = {}
+    for s in shards:
+        holders.setdefault(s.rectangle, []).append(s)
+    for rect, copies in holders.items():
+        if all(s.replica != 0 for s in copies):
+            s = copies[0]
+            raise PlanError(
+                f"table {table.name!r}: replica {s.replica} of rows [{s.row_offset}:{s.row_offset + s.rows}] "
+                f"on device {s.device} copies no replica-0 shard"
+            )
+        for what, values in (("replica index", [s.replica for s in copies]), ("device", [s.device for s in copies])):
+            if len(set(values)) != len(values):
+                dup = sorted(v for v, n in Counter(values).items() if n > 1)[0]
+                raise PlanError(
+                    f"table {table.name!r}: rows [{rect[1]}:{rect[1] + rect[2]}] have two copies with {what} {dup}"
+                )
+
+
+def _check_row_map(table: Table, ids: np.ndarray) -> None:
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) > table.rows:
+        raise PlanError(f"table {table.name!r}: row map must be a 1-D integer array of at most {table.rows} ids")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= table.rows):
+        raise PlanError(f"table {table.name!r}: row map holds ids outside [0, {table.rows})")
+    if np.unique(ids).size != ids.size:
+        raise PlanError(f"table {table.name!r}: row map repeats a row id")
+
+
 def _check_exact_cover(table: Table, shards: Sequence[Shard]) -> None:
     area = sum(s.rows * s.dim for s in shards)
+    if all(s.col_offset == 0 and s.dim == table.dim for s in shards):
+        # full-width row blocks (row-wise and row-level plans): sorted, only neighbours can overlap
+        ordered = sorted(shards, key=lambda s: s.row_offset)
+        for a, b in zip(ordered, ordered[1:]):
+            if b.row_offset < a.row_offset + a.rows:
+                raise PlanError(f"table {table.name!r} is covered twice: {a} overlaps {b}")
+        shards = ()
     for i, a in enumerate(shards):
         for b in shards[i + 1 :]:
             rows_overlap = a.row_offset < b.row_offset + b.rows and b.row_offset < a.row_offset + a.rows

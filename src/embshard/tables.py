@@ -16,6 +16,9 @@ NUM_REUSE_BINS = 17
 #: Column-split granularity the FBGEMM kernel requires for fp32/fp16 weights.
 DIM_ALIGNMENT = 4
 MIN_ROWS = 100
+#: Table kinds: "pooled" (an EmbeddingBag: one vector per bag) or "sequence" (unpooled, TorchRec's
+#: EmbeddingCollection: every id yields its own vector; pooling_factor is then the mean sequence length).
+TABLE_KINDS = ("pooled", "sequence")
 
 
 def reuse_bin(access_counts: np.ndarray) -> np.ndarray:
@@ -61,6 +64,7 @@ class Table:
         reuse_histogram: 17 floats, fraction of unique rows per access-count bin, or None.
         bytes_per_element: 4 for fp32 weights, 2 for fp16.
         trace: optional reference to real indices for this table.
+        kind: "pooled" (default) or "sequence" (unpooled; `pooling_factor` = mean sequence length).
     """
 
     name: str
@@ -70,6 +74,7 @@ class Table:
     reuse_histogram: tuple[float, ...] | None = None
     bytes_per_element: int = 4
     trace: TraceRef | None = None
+    kind: str = "pooled"
 
     def __post_init__(self) -> None:
         where = f"table {self.name!r}"
@@ -91,6 +96,8 @@ class Table:
             raise InputError(
                 f"{where}: bytes_per_element must be 1, 2, 4 or 8, got {self.bytes_per_element!r}"
             )
+        if self.kind not in TABLE_KINDS:
+            raise InputError(f"{where}: kind must be one of {', '.join(TABLE_KINDS)}, got {self.kind!r}")
         if self.reuse_histogram is not None:
             hist = tuple(float(x) for x in self.reuse_histogram)
             if len(hist) != NUM_REUSE_BINS or any(not math.isfinite(x) or x < 0 for x in hist):
@@ -115,7 +122,12 @@ class Table:
             reuse_histogram=self.reuse_histogram,
             bytes_per_element=self.bytes_per_element,
             trace=self.trace,
+            kind=self.kind,
         )
+
+    @property
+    def is_sequence(self) -> bool:
+        return self.kind == "sequence"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -125,13 +137,15 @@ class Table:
             d["reuse_histogram"] = list(self.reuse_histogram)
         if self.trace is None:
             d.pop("trace")
+        if self.kind == "pooled":  # pooled tables' JSON stays exactly as before kinds existed
+            d.pop("kind")
         return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "Table":
         if not isinstance(d, dict):
             raise InputError(f"a table must be a JSON object, got {type(d).__name__}")
-        known = {"name", "rows", "dim", "pooling_factor", "reuse_histogram", "bytes_per_element", "trace"}
+        known = {"name", "rows", "dim", "pooling_factor", "reuse_histogram", "bytes_per_element", "trace", "kind"}
         unknown = set(d) - known
         if unknown:
             raise InputError(f"table {d.get('name')!r}: unknown field(s) {sorted(unknown)}")
@@ -153,6 +167,7 @@ class Table:
             reuse_histogram=d.get("reuse_histogram"),
             bytes_per_element=d.get("bytes_per_element", 4),
             trace=trace,
+            kind=d.get("kind", "pooled"),
         )
 
 

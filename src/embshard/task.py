@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,14 @@ OPTIMIZER_STATE_BYTES_PER_ROW = {
 }
 #: The pooled output of the kernel and its gradient are fp32 tensors of batch × width.
 OUTPUT_BYTES_PER_ELEMENT = 4
+#: Link bandwidths of a two-tier topology when a task names none: TorchRec's planner defaults,
+#: INTRA_NODE_BANDWIDTH = 600 and CROSS_NODE_BANDWIDTH = 12.5 (GiB/s, stored in bytes/ms as
+#: 600 * 1024**3 / 1000) in torchrec/distributed/planner/constants.py (torchrec 1.8.0), used per
+#: device ("1 NIC per GPU" in BasicCommsBandwidths.get_bw, torchrec/distributed/planner/types.py).
+INTRA_HOST_GBPS = 600.0
+INTER_HOST_GBPS = 12.5
+#: What `_gbps` means here, as in TorchRec's constants: GiB (2**30 bytes) per second.
+BYTES_PER_GB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,9 @@ class Task:
         optimizer: fused embedding optimizer; decides the optimizer state counted in memory.
         devices_per_host: devices sharing a fast interconnect (topology); equals
             num_devices for a single host.
+        hosts: number of hosts; hosts × devices_per_host = num_devices (derived when absent).
+        intra_host_gbps, inter_host_gbps: per-device link bandwidth inside a host and between
+            hosts, GiB/s (TorchRec's planner defaults: 600 and 12.5).
     """
 
     name: str
@@ -50,6 +62,9 @@ class Task:
     tables: tuple[Table, ...]
     optimizer: str = "sgd"
     devices_per_host: int | None = None
+    hosts: int | None = None
+    intra_host_gbps: float = INTRA_HOST_GBPS
+    inter_host_gbps: float = INTER_HOST_GBPS
 
     def __post_init__(self) -> None:
         where = f"task {self.name!r}"
@@ -76,6 +91,31 @@ class Task:
             object.__setattr__(self, "devices_per_host", self.num_devices)
         elif not _is_int(self.devices_per_host) or self.devices_per_host <= 0:
             raise InputError(f"{where}: devices_per_host must be a positive integer")
+        self._check_topology(where)
+
+    def _check_topology(self, where: str) -> None:
+        if self.hosts is not None:
+            if not _is_int(self.hosts) or self.hosts <= 0:
+                raise InputError(f"{where}: hosts must be a positive integer, got {self.hosts!r}")
+            if self.hosts * self.devices_per_host != self.num_devices:
+                raise InputError(
+                    f"{where}: hosts ({self.hosts}) x devices_per_host ({self.devices_per_host}) "
+                    f"must equal num_devices ({self.num_devices})"
+                )
+        elif self.num_devices % self.devices_per_host:
+            raise InputError(
+                f"{where}: devices_per_host ({self.devices_per_host}) does not divide num_devices ({self.num_devices})"
+            )
+        object.__setattr__(self, "hosts", self.num_devices // self.devices_per_host)
+        for name in ("intra_host_gbps", "inter_host_gbps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise InputError(f"{where}: {name} must be a positive number (GiB/s), got {v!r}")
+            object.__setattr__(self, name, float(v))
+
+    def host_of(self, device: int) -> int:
+        """The host a device sits on (devices are numbered host by host)."""
+        return device // self.devices_per_host
 
     # ------------------------------------------------------------------ lookups
     def table(self, name: str) -> Table:
@@ -89,16 +129,23 @@ class Task:
         return {t.name: t for t in self.tables}
 
     # ------------------------------------------------------------------ memory
-    def shard_memory_bytes(self, table: Table, rows: int, dim: int) -> int:
+    def shard_memory_bytes(self, table: Table, rows: int, dim: int, copies: int = 1) -> int:
         """Bytes a device allocates for a `rows × dim` piece of `table` during training.
 
-        Weights, the fused optimizer's state, and the pooled output plus its gradient for
-        the whole global batch (the kernel computes the piece's pooled sums for every sample
-        before the all-to-all).
+        Weights, the fused optimizer's state, and the output plus its gradient. A pooled piece
+        computes its pooled sums for every sample of the global batch before the all-to-all.
+        A sequence piece outputs one vector per id it serves: its share of the batch's
+        batch × pooling_factor ids by rows (the uniform-access share TorchRec's planner also
+        uses for row-wise I/O). A piece held in `copies` replicas serves 1/copies of the batch
+        on each (data-parallel: every copy serves its own samples).
         """
         weights = rows * dim * table.bytes_per_element
         optimizer_state = rows * OPTIMIZER_STATE_BYTES_PER_ROW[self.optimizer](dim)
-        io = 2 * self.batch_size * dim * OUTPUT_BYTES_PER_ELEMENT
+        if table.is_sequence:
+            lookups = math.ceil(self.batch_size * table.pooling_factor * rows / (table.rows * copies))
+            io = 2 * lookups * dim * OUTPUT_BYTES_PER_ELEMENT
+        else:
+            io = 2 * math.ceil(self.batch_size / copies) * dim * OUTPUT_BYTES_PER_ELEMENT
         return weights + optimizer_state + io
 
     def table_memory_bytes(self, table: Table) -> int:
@@ -116,6 +163,11 @@ class Task:
         }
         if self.devices_per_host != self.num_devices:
             d["devices_per_host"] = self.devices_per_host
+        # hosts follows from devices_per_host; bandwidths are written only where they differ from
+        # the defaults, so task JSON without a topology round-trips unchanged
+        for name, default in (("intra_host_gbps", INTRA_HOST_GBPS), ("inter_host_gbps", INTER_HOST_GBPS)):
+            if getattr(self, name) != default:
+                d[name] = getattr(self, name)
         return d
 
     @classmethod
@@ -135,6 +187,9 @@ class Task:
             tables=tuple(Table.from_dict(t) for t in d["tables"]),
             optimizer=d.get("optimizer", "sgd"),
             devices_per_host=d.get("devices_per_host"),
+            hosts=d.get("hosts"),
+            intra_host_gbps=d.get("intra_host_gbps", INTRA_HOST_GBPS),
+            inter_host_gbps=d.get("inter_host_gbps", INTER_HOST_GBPS),
         )
 
     def save(self, path: str | os.PathLike) -> None:
