@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     every: list[dict] = []
     rows = []
-    for path in args.reports:
+    for i, path in enumerate(args.reports):
         p = Path(path)
         try:
             report = json.loads(p.read_text())
@@ -103,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
         if report.get("evaluate") != "measured":
             print(f"error: {p}: not a measured report (evaluate={report.get('evaluate')!r})", file=sys.stderr)
             return 2
-        res = distinct_results(report)
+        # Tasks of different reports may share a name (4dev/ and 8dev/ of one pool): key them
+        # by report too, so a plan-cost τ never mixes two tasks.
+        res = [{**r, "task": (i, r["task"])} for r in distinct_results(report)]
         if not res:
             print(f"error: {p}: no plan with both an estimate and a measurement", file=sys.stderr)
             return 2
         every += res
-        rows.append((p.parent.name, fidelity(res)))
+        label = p.parent.name if p.parent.name != "runs" else f"{p.parent.parent.name}/{p.parent.name}"
+        rows.append((label, fidelity(res)))
     if len(rows) > 1:
         rows.append(("all", fidelity(every)))
     if args.by_algorithm:
