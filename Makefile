@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv clean checkpoint neuroshard-eval trust-eval e2e flexshard
+.PHONY: demo test venv clean checkpoint neuroshard-eval trust-eval e2e flexshard rl-checkpoints rl-eval rl-ablation rl-bench
 
 venv: $(STAMP)
 
@@ -57,12 +57,12 @@ checkpoint: $(STAMP)
 neuroshard-eval: $(STAMP)
 	$(PY) train.py stage=tasks task=neuroshard_cpu $(NS_DATA) out_dir=$(NS)/tasks4
 	$(PY) train.py stage=tasks task=neuroshard_cpu task.num_devices=8 $(NS_DATA) out_dir=$(NS)/tasks8
-	$(PY) shard.py task_file=$(NS)/tasks4/test algorithms=$(NS_ALGOS) out_dir=$(NS)/runs/4dev
-	$(PY) shard.py task_file=$(NS)/tasks8/test algorithms=$(NS_ALGOS) out_dir=$(NS)/runs/8dev
+	$(PY) shard.py task_file=$(NS)/tasks4/test algorithms=$(NS_ALGOS) rounds=3 out_dir=$(NS)/runs/4dev
+	$(PY) shard.py task_file=$(NS)/tasks8/test algorithms=$(NS_ALGOS) rounds=3 out_dir=$(NS)/runs/8dev
 
 trust-eval: $(STAMP)
 	$(PY) train.py stage=tasks task=user_eval seed=7 out_dir=$(UE)/tasks
-	$(PY) shard.py task_file=$(UE)/tasks algorithms=$(NS_ALGOS) out_dir=$(UE)/runs
+	$(PY) shard.py task_file=$(UE)/tasks algorithms=$(NS_ALGOS) rounds=3 out_dir=$(UE)/runs
 	$(PY) scripts/summarize_improvement.py $(UE)/runs/report.json
 	$(PY) scripts/eval_fidelity.py $(UE)/runs/report.json $(NS)/runs/4dev/report.json $(NS)/runs/8dev/report.json --by-algorithm
 
@@ -83,6 +83,72 @@ e2e: $(STAMP)
 		dlrm.shard_report=$(E2E)/shard/report.json out_dir=$(E2E)/throughput
 	$(TORCHRUN) train.py stage=dlrm experiment=e2e_embedding_heavy dlrm.task_file=$(E2E)/task.json \
 		dlrm.plan=$(E2E_PLANS)/neuroshard.json dlrm.steps=300 out_dir=$(E2E)/train_neuroshard
+
+# DreamShard and AutoShard on this CPU (README "DreamShard and AutoShard"). Policies are trained
+# on tasks of the train half of the 128-table pool at 4 devices (their plans measured on
+# FBGEMM's CPU kernel + gloo every iteration); evaluation tasks use only test tables, at 2/4/8
+# devices, at table counts outside the training range and without histograms. rl-checkpoints:
+# about 18 min for both here; rl-eval: about 45 min; rl-ablation: about 30 min more.
+RL := experiments/rl
+RL_RUNS := $(RL)/eval/runs
+RL_ALGOS := [random,round_robin,size_greedy,dim_greedy,lookup_greedy,size_lookup_greedy,torchrec,neuroshard,dreamshard,autoshard]
+RL_SETTINGS := 20-30x4 20-30x2 20-30x8 8-12x4 40-48x4 20-30x4-nohist
+
+# The warm-start cost data is `make checkpoint`'s broad collection (experiments/costdata_broad,
+# not in git; about 1 h here when it is missing, reused when present).
+experiments/costdata_broad/compute.jsonl: | $(STAMP)
+	$(PY) train.py stage=collect collect=broad $(NS_PRETRAIN_DATA) out_dir=experiments/costdata_broad
+
+rl-checkpoints: $(STAMP) experiments/costdata_broad/compute.jsonl
+	$(PY) train.py stage=rl rl=dreamshard experiment=rl_cpu rl.log_dir=$(RL)/logs/dreamshard out_dir=checkpoints/dreamshard_cpu
+	$(PY) train.py stage=rl rl=autoshard experiment=rl_cpu rl.log_dir=$(RL)/logs/autoshard out_dir=checkpoints/autoshard_cpu
+
+rl-eval: $(STAMP)
+	$(PY) scripts/rl_eval.py tasks --out $(RL)/eval/tasks
+	for s in $(RL_SETTINGS); do \
+		$(PY) shard.py task_file=$(RL)/eval/tasks/$$s algorithms=$(RL_ALGOS) rounds=2 out_dir=$(RL_RUNS)/$$s || exit 1; \
+	done
+	$(PY) scripts/rl_eval.py summarize $(RL_RUNS) --out docs/rl --name heldout
+
+# The improvements: the references' variants (experiment=rl_*_faithful: every improvement
+# off) and DreamShard with ONE switch off at a time, all trained on the shipped run's own
+# measured plans (rl.replay, no new measurements, same seed: only the switches differ).
+# Estimated: every variant's plans on 10 unseen-table tasks per setting, all judged by the
+# shipped DreamShard cost network (no hardware); measured: shard.py on the 3 unseen-table
+# 4-device tasks of rl-eval, against the shipped policies, argmax and best-of-8.
+RL_ABL := $(RL)/ablation
+RL_NO_HW := rl.measure_tasks=0 rl.validate.measure=false
+RL_DS_REPLAY := rl.replay=checkpoints/dreamshard_cpu/measured_plans.jsonl $(RL_NO_HW)
+RL_AS_REPLAY := rl.replay=checkpoints/autoshard_cpu/measured_plans.jsonl $(RL_NO_HW)
+RL_ONE_OFF := encode_table=false mask=room reward_comm=false rollouts_per_task=1
+RL_ABL_ALGOS := [size_lookup_greedy,lookup_greedy,dreamshard,dreamshard_argmax,dreamshard_faithful,ds_encode_table_false,ds_mask_room,ds_reward_comm_false,ds_rollouts_per_task_1,autoshard,autoshard_argmax,autoshard_faithful]
+RL_DS := checkpoints/dreamshard_cpu/policy.pt
+RL_AS := checkpoints/autoshard_cpu/policy.pt
+rl-ablation: $(STAMP)
+	$(PY) train.py stage=rl experiment=rl_dreamshard_faithful $(RL_DS_REPLAY) rl.log_dir=$(RL)/logs/dreamshard_faithful out_dir=$(RL_ABL)/dreamshard_faithful
+	$(PY) train.py stage=rl experiment=rl_autoshard_faithful $(RL_AS_REPLAY) rl.log_dir=$(RL)/logs/autoshard_faithful out_dir=$(RL_ABL)/autoshard_faithful
+	for v in $(RL_ONE_OFF); do d=ds_$$(echo $$v | tr = _); \
+		$(PY) train.py stage=rl rl=dreamshard experiment=rl_cpu $(RL_DS_REPLAY) rl.$$v rl.log_dir=$(RL)/logs/$$d out_dir=$(RL_ABL)/$$d || exit 1; \
+	done
+	$(PY) scripts/rl_eval.py tasks --num-tasks 10 --out $(RL_ABL)/tasks
+	$(PY) scripts/rl_eval.py estimate --tasks $(RL_ABL)/tasks/20-30x4 $(RL_ABL)/tasks/20-30x2 $(RL_ABL)/tasks/20-30x8 \
+		--policies dreamshard=$(RL_DS):8 dreamshard_argmax=$(RL_DS) dreamshard_faithful=$(RL_ABL)/dreamshard_faithful/policy.pt \
+		$(foreach v,$(RL_ONE_OFF),ds_$(subst =,_,$(v))=$(RL_ABL)/ds_$(subst =,_,$(v))/policy.pt:8) \
+		autoshard=$(RL_AS):8 autoshard_argmax=$(RL_AS) autoshard_faithful=$(RL_ABL)/autoshard_faithful/policy.pt \
+		--out docs/rl --name ablation_estimated
+	$(PY) shard.py task_file=$(RL)/eval/tasks/20-30x4 algorithms=$(RL_ABL_ALGOS) rounds=2 \
+		+search@searchers.dreamshard_argmax=dreamshard searchers.dreamshard_argmax.samples=0 \
+		+search@searchers.autoshard_argmax=autoshard searchers.autoshard_argmax.samples=0 \
+		+search@searchers.dreamshard_faithful=dreamshard searchers.dreamshard_faithful.samples=0 \
+		searchers.dreamshard_faithful.checkpoint=$(RL_ABL)/dreamshard_faithful/policy.pt \
+		+search@searchers.autoshard_faithful=autoshard searchers.autoshard_faithful.samples=0 \
+		searchers.autoshard_faithful.checkpoint=$(RL_ABL)/autoshard_faithful/policy.pt \
+		$(foreach v,$(RL_ONE_OFF),+search@searchers.ds_$(subst =,_,$(v))=dreamshard searchers.ds_$(subst =,_,$(v)).checkpoint=$(RL_ABL)/ds_$(subst =,_,$(v))/policy.pt) \
+		out_dir=$(RL_ABL)/runs/20-30x4
+	$(PY) scripts/rl_eval.py summarize $(RL_ABL)/runs --out docs/rl --name ablation
+
+rl-bench: $(STAMP)
+	$(PY) scripts/bench_rl_planning.py --samples 0,8
 
 # FlexShard on this CPU (README "FlexShard"): for calibrated and item-popularity (Zipf 1.0) sequence
 # traces, the 24-table task on 2 hosts x 8 devices, every baseline and FlexShard replayed on held-out

@@ -7,6 +7,7 @@ pre-training, and end-to-end DLRM training under sharding plans.
     python train.py stage=collect collect=cpu out_dir=costdata/cpu        # resumable; torchrun for ranks
     python train.py stage=pretrain data_dir=costdata/cpu out_dir=checkpoints/cpu_fbgemm
     python train.py stage=refine refine.data_dir=costdata/cpu out_dir=experiments/refine   # close the loop
+    python train.py stage=rl rl=dreamshard experiment=rl_cpu out_dir=checkpoints/dreamshard_cpu  # or rl=autoshard
     python train.py stage=dlrm_task experiment=e2e_embedding_heavy out_dir=DIR  # the end-to-end task JSON
     torchrun --nproc_per_node 2 train.py stage=dlrm dlrm.plan=neuroshard        # DLRM training under a plan
     torchrun --nproc_per_node 2 train.py stage=throughput experiment=e2e_embedding_heavy \
@@ -32,7 +33,7 @@ from embshard.errors import InputError
 
 log = logging.getLogger("train")
 ROOT = Path(__file__).resolve().parent
-STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain", "refine", "dlrm_task", "dlrm", "throughput",
+STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain", "refine", "rl", "dlrm_task", "dlrm", "throughput",
           "sequence_task", "sequence_throughput")
 
 
@@ -70,7 +71,11 @@ def run(cfg: DictConfig) -> float | None:
         return None
     out_dir = Path(cfg.out_dir) if cfg.out_dir else ROOT / "outputs" / "train" / cfg.stage / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     result = None
-    if cfg.stage == "pretrain":
+    if cfg.stage == "rl":  # DreamShard / AutoShard policies (src/embshard/search/rl/stage.py)
+        from embshard.search.rl.stage import run_from_config
+
+        result = run_from_config(cfg, partial(dataset_path, cfg.dataset), out_dir)
+    elif cfg.stage == "pretrain":
         from embshard.costs.pretrain import pretrain
 
         if not cfg.get("data_dir"):

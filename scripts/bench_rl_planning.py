@@ -1,0 +1,78 @@
+"""Planning time of DreamShard and AutoShard for 856 tables over 128 devices (a benchmark, not a test).
+
+Example:
+    .venv/bin/python scripts/bench_rl_planning.py
+    .venv/bin/python scripts/bench_rl_planning.py --repeats 3 --samples 0,8
+
+The task is the same NeuroShard-style draw of all 856 tables of a synthetic pool that
+scripts/bench_neuroshard_planning.py plans (dims {4..128}, batch 65536, device memory 1.5x an
+even share, at least 1.05x the largest table). Each searcher loads its shipped checkpoint
+(search=dreamshard / search=autoshard's defaults), plans one untimed warm-up task, then the
+big task `--repeats` times; the plan is validated every time. Prints seconds per plan (min
+and median), at each `--samples` setting (the searchers skip sampling above
+sample_max_work, so 856 x 128 plans by argmax whatever the setting; the line says which ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from embshard.data.synthetic import generate_synthetic
+from embshard.data.tasks import neuroshard_tasks, table_pool_from_dataset
+from embshard.plan import validate
+from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKPOINTS = {"dreamshard": "checkpoints/dreamshard_cpu/policy.pt", "autoshard": "checkpoints/autoshard_cpu/policy.pt"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tables", type=int, default=856)
+    ap.add_argument("--devices", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--samples", default="8", help="best-of-K settings to time, e.g. 0,8 (the config's default is 8)")
+    ap.add_argument("--dreamshard", default=CHECKPOINTS["dreamshard"])
+    ap.add_argument("--autoshard", default=CHECKPOINTS["autoshard"])
+    ap.add_argument("--trace-batch", type=int, default=512, help="batch of the synthetic trace file")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-histograms", action="store_true",
+                    help="drop the tables' reuse histograms (a user's tables: the searchers impute them)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    data = ROOT / "data" / f"synthetic_t{args.tables}_bs{args.trace_batch}_s{args.seed}.pt"
+    if not data.is_file():
+        print(f"generating {data} ...", flush=True)
+        generate_synthetic(data, num_tables=args.tables, batch_size=args.trace_batch, seed=args.seed)
+    pool = table_pool_from_dataset(data)
+    (task,) = neuroshard_tasks(pool, 1, min_tables=args.tables, max_tables=args.tables, num_devices=args.devices,
+                               batch_size=65536, seed=args.seed, name_prefix=f"bench{args.tables}x{args.devices}")
+    if args.no_histograms:
+        task = replace(task, tables=tuple(replace(t, reuse_histogram=None, trace=None) for t in task.tables))
+    (warm,) = neuroshard_tasks(pool, 1, min_tables=10, max_tables=10, num_devices=2, seed=args.seed, name_prefix="warm")
+    print(f"task {task.name}: {len(task.tables)} tables, {task.num_devices} devices, "
+          f"{task.device_memory_bytes / 2**30:.2f} GiB per device" + (", no histograms" if args.no_histograms else ""))
+    for samples in [int(s) for s in args.samples.split(",")]:
+        for name, cls in (("dreamshard", DreamShardSharder), ("autoshard", AutoShardSharder)):
+            sharder = cls(checkpoint=getattr(args, name), samples=samples)
+            sharder.shard(warm)
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                plan = sharder.shard(task)
+                times.append(time.perf_counter() - start)
+                validate(task, plan)
+            ran = sharder.last_stats["samples"]
+            print(f"{name:>10} samples={samples} (ran {ran}): min {min(times):.2f} s, median {statistics.median(times):.2f} s "
+                  f"over {len(times)}; valid plan, {len({s.device for s in plan.shards})} devices used, "
+                  f"estimated {sharder.last_predicted_cost_ms:.1f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""DreamShard's and AutoShard's side of the shared rollout loop (`env.rollout`), and their
+policy losses, recomputed with gradients from recorded rollouts.
+
+A rollout runs without gradients; the loss replays it: the per-device encoding sums a
+policy saw before step t are an exclusive cumulative sum of the placed tables' encodings
+over the recorded actions, so one batched forward gives every step's logits again, now
+with gradients. Inputs that come from a frozen network (DreamShard's cost features) are
+recorded instead of recomputed.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as Fn
+
+from embshard.plan import Plan
+from embshard.search.rl.env import Rollouts, TaskView
+from embshard.search.rl.features import FeatureNorm
+from embshard.search.rl.losses import masked_entropy, masked_log_softmax, normalised_advantages, reinforce_loss, vtrace
+from embshard.search.rl.nets import AutoShardNet, DreamShardCostNet, DreamShardPolicy, cost_features
+from embshard.task import Task
+
+ESTIMATES = ("overall", "devices")
+
+
+def _ordered_view(task: Task, x: torch.Tensor, single_ms: torch.Tensor) -> TaskView:
+    names = [t.name for t in task.tables]
+    order = sorted(range(len(names)), key=lambda i: (-float(single_ms[i]), names[i]))
+    needs = [task.table_memory_bytes(task.tables[i]) for i in order]
+    return TaskView(task, order, x[order], needs, float(single_ms.sum()) / task.num_devices)
+
+
+def _placed_onehot(devices: torch.Tensor, d: int) -> torch.Tensor:
+    """[K, N, D] float: 1 where table t went to device d (rows of unplaced steps are 0)."""
+    return Fn.one_hot(devices.clamp(min=0), d).float() * (devices >= 0).unsqueeze(-1).float()
+
+
+def _exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.cumsum(x, dim=dim) - x
+
+
+def _safe(mask: torch.Tensor) -> torch.Tensor:
+    """A step whose mask is all False (an overflow) was sampled from every device."""
+    return mask | ~mask.any(dim=-1, keepdim=True)
+
+
+def _pad(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    return torch.cat([Fn.pad(r, (0, width - r.shape[1])) for r in rows], dim=0)
+
+
+class _Estimating:
+    """Estimate a given plan by replaying it as an episode."""
+
+    def estimate_plan(self, task: Task, plan: Plan) -> float:
+        with torch.no_grad():
+            view = self.prepare(task)
+            device_of = {s.table: s.device for s in plan.shards}
+            state = self.init_state(view, 1)
+            for t, table in enumerate(view.tables):
+                self.advance(view, state, t, torch.tensor([device_of[table.name]]), torch.tensor([True]))
+            return float(self.estimate(view, state)[0])
+
+
+class DreamShardAgent(_Estimating):
+    """DreamShard (NeurIPS 2022) on the estimated MDP.
+
+    Args:
+        norm: input normalisation (train-pool statistics).
+        costnet, policy: the two networks.
+        reward_comm: the overall head (and the "devices" estimate) include forward comm with
+            its wait, i.e. the full measured plan cost; False: compute + backward comm only,
+            the reference's three heads.
+        estimate: "overall" (the reference: the overall head on the element-wise max) or
+            "devices" (max over devices of the summed per-device heads).
+    """
+
+    algorithm = "dreamshard"
+
+    def __init__(self, norm: FeatureNorm, costnet: DreamShardCostNet, policy: DreamShardPolicy,
+                 reward_comm: bool = True, estimate: str = "overall"):
+        self.norm, self.costnet, self.policy = norm, costnet, policy
+        self.reward_comm = bool(reward_comm)
+        self.estimate_kind = estimate
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return {"costnet": self.costnet, "policy": self.policy}
+
+    # ------------------------------------------------------------------ episode
+    @torch.no_grad()
+    def prepare(self, task: Task) -> TaskView:
+        x = torch.from_numpy(self.norm(task.tables, task.batch_size))
+        enc = self.costnet.encoder(x)
+        single = self.costnet.device_costs(enc[:, None, :], torch.ones(len(x), 1))[:, 0, 0]
+        view = _ordered_view(task, x, single)
+        view.cache["enc_c"] = enc[view.order]
+        return view
+
+    def init_state(self, view: TaskView, k: int) -> dict[str, torch.Tensor]:
+        d, ec = view.num_devices, self.costnet.width
+        s = torch.zeros(k, d, ec)
+        cnt = torch.zeros(k, d)
+        enc_p = self.policy.encoder(view.x)
+        return {"S": s, "cnt": cnt, "U": torch.zeros(k, d, enc_p.shape[1]), "enc_p": enc_p,
+                "costs": self.costnet.device_costs(s, cnt)}
+
+    def step(self, view, state, t, used_share):
+        k, d = state["cnt"].shape
+        cf = cost_features(state["costs"], view.even_ms)
+        rec = {"cost": cf}
+        table_enc = whatif = None
+        if self.policy.encode_table:
+            enc = view.cache["enc_c"][t]
+            whatif = cost_features(self.costnet.device_costs(state["S"] + enc, state["cnt"] + 1), view.even_ms)
+            rec["whatif"] = whatif
+            table_enc = state["enc_p"][t].expand(k, -1)
+        logits = self.policy.logits(state["U"] * (d / view.num_tables), cf, table_enc, whatif)
+        return logits, rec
+
+    def advance(self, view, state, t, devices, placed):
+        oh = Fn.one_hot(devices, view.num_devices).float() * placed[:, None].float()
+        state["S"] += oh[..., None] * view.cache["enc_c"][t]
+        state["cnt"] += oh
+        state["U"] += oh[..., None] * state["enc_p"][t]
+        state["costs"] = self.costnet.device_costs(state["S"], state["cnt"])
+
+    def estimate(self, view, state):
+        if self.estimate_kind == "overall":
+            return self.costnet.plan_cost(state["S"])
+        c = state["costs"]
+        per_device = c.sum(-1) if self.reward_comm else c[..., 0] + c[..., 2]
+        return per_device.max(-1).values
+
+    def reward(self, view, state, overflow):
+        # an episode that ran out of memory scores as twice all its compute on one device
+        return torch.where(overflow, torch.full_like(overflow, -2.0 * view.even_ms * view.num_devices, dtype=torch.float32),
+                           -self.estimate(view, state))
+
+    # ------------------------------------------------------------------ loss
+    def replay(self, r: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log π of the taken actions [K, N], entropy [K, N]) with gradients."""
+        view = r.view
+        k, n = r.devices.shape
+        d = view.num_devices
+        enc_p = self.policy.encoder(view.x)
+        contrib = _placed_onehot(r.devices, d).unsqueeze(-1) * enc_p[None, :, None, :]
+        u = _exclusive_cumsum(contrib, dim=1) * (d / n)
+        table_enc = enc_p.unsqueeze(0).expand(k, -1, -1) if self.policy.encode_table else None
+        logits = self.policy.logits(u, r.records["cost"], table_enc, r.records.get("whatif"))
+        mask = _safe(r.masks)
+        logp = masked_log_softmax(logits, mask)
+        return logp.gather(-1, r.actions.clamp(min=0).unsqueeze(-1)).squeeze(-1), masked_entropy(logp, mask)
+
+    def policy_loss(self, batch: Sequence[Rollouts], entropy_coef: float, per_task_baseline: bool) -> tuple[torch.Tensor, dict]:
+        rewards = torch.cat([r.rewards for r in batch])
+        groups = torch.cat([torch.full((len(r.rewards),), i) for i, r in enumerate(batch)]) if per_task_baseline else None
+        adv = normalised_advantages(rewards, groups)
+        width = max(r.devices.shape[1] for r in batch)
+        replays = [self.replay(r) for r in batch]
+        logp = _pad([x[0] for x in replays], width)
+        ent = _pad([x[1] for x in replays], width)
+        steps = _pad([r.steps.float() for r in batch], width).bool()
+        loss = reinforce_loss(logp, ent, steps, adv, entropy_coef)
+        est = torch.cat([r.estimated_ms for r in batch])
+        return loss, {"estimated_reward": float(rewards.mean()), "estimated_cost_ms": float(est.mean()),
+                      "entropy": float((ent.detach() * steps).sum() / steps.sum()), "overflow": float(torch.cat([r.overflow for r in batch]).float().mean())}
+
+
+class AutoShardAgent(_Estimating):
+    """AutoShard (KDD 2022) on the estimated MDP: compute cost only, reward = min / max of
+    the predicted per-device compute (a balance ratio), -1 for a memory overflow."""
+
+    algorithm = "autoshard"
+
+    def __init__(self, norm: FeatureNorm, net: AutoShardNet):
+        self.norm, self.net = norm, net
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return {"net": self.net}
+
+    # ------------------------------------------------------------------ episode
+    def states(self, enc: torch.Tensor) -> torch.Tensor:
+        """[N, H] LSTM states over the placement sequence: (table encoding, fraction placed)."""
+        n = enc.shape[0]
+        frac = torch.arange(n, dtype=enc.dtype)[:, None] / n
+        h, _ = self.net.lstm(torch.cat([self.net.encoder.features(enc), frac], dim=1).unsqueeze(0))
+        return h[0]
+
+    @torch.no_grad()
+    def prepare(self, task: Task) -> TaskView:
+        x = torch.from_numpy(self.norm(task.tables, task.batch_size))
+        enc = self.net.encoder(x)
+        view = _ordered_view(task, x, self.net.shard_cost(enc, torch.ones(len(x))))
+        view.cache["enc"] = enc[view.order]
+        view.cache["h"] = self.states(view.cache["enc"])
+        return view
+
+    def init_state(self, view, k):
+        d = view.num_devices
+        return {"S": torch.zeros(k, d, self.net.width), "cnt": torch.zeros(k, d)}
+
+    def _device_inputs(self, view: TaskView, s: torch.Tensor, cnt: torch.Tensor, used: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(action vectors, raw device features [log(1 + ms), share of an even split, memory used])."""
+        costs = self.net.shard_cost(s, cnt)
+        feats = torch.stack([torch.log1p(costs), costs / max(view.even_ms, 1e-3), used], dim=-1).detach()
+        return self.net.actions(s * (view.num_devices / view.num_tables), feats), feats
+
+    def step(self, view, state, t, used_share):
+        a, feats = self._device_inputs(view, state["S"], state["cnt"], used_share)
+        h = view.cache["h"][t].expand(a.shape[0], -1)
+        return self.net.logits(h, a, feats), {"used": used_share}
+
+    def advance(self, view, state, t, devices, placed):
+        oh = Fn.one_hot(devices, view.num_devices).float() * placed[:, None].float()
+        state["S"] += oh[..., None] * view.cache["enc"][t]
+        state["cnt"] += oh
+
+    def estimate(self, view, state):
+        return self.net.shard_cost(state["S"], state["cnt"]).max(-1).values
+
+    def reward(self, view, state, overflow):
+        c = self.net.shard_cost(state["S"], state["cnt"])
+        balance = c.min(-1).values / c.max(-1).values.clamp_min(1e-6)
+        return torch.where(overflow, torch.full_like(balance, -1.0), balance)
+
+    # ------------------------------------------------------------------ loss
+    def replay(self, r: Rollouts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log π of the taken actions, entropy, values), [K, N] each, with gradients."""
+        view = r.view
+        k, n = r.devices.shape
+        d = view.num_devices
+        enc = self.net.encoder(view.x)
+        h = self.states(enc).unsqueeze(0).expand(k, -1, -1)
+        oh = _placed_onehot(r.devices, d)
+        s = _exclusive_cumsum(oh.unsqueeze(-1) * enc[None, :, None, :], dim=1)
+        cnt = _exclusive_cumsum(oh, dim=1)
+        a, feats = self._device_inputs(view, s, cnt, r.records["used"])
+        logits = self.net.logits(h, a, feats)
+        mask = _safe(r.masks)
+        logp = masked_log_softmax(logits, mask)
+        logp_a = logp.gather(-1, r.actions.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return logp_a, masked_entropy(logp, mask), self.net.values(h, a)
+
+    def policy_loss(self, batch: Sequence[Rollouts], entropy_coef: float, value_coef: float, gamma: float = 1.0,
+                    rho_bar: float = 1.0, c_bar: float = 1.0) -> tuple[torch.Tensor, dict]:
+        width = max(r.devices.shape[1] for r in batch)
+        replays = [self.replay(r) for r in batch]
+        logp, ent, values = (_pad([x[i] for x in replays], width) for i in range(3))
+        steps = _pad([r.steps.float() for r in batch], width).bool()
+        behaviour = _pad([r.behaviour_logp for r in batch], width)
+        rewards = torch.zeros_like(logp)
+        last = steps.sum(1) - 1
+        rewards[torch.arange(len(last)), last] = torch.cat([r.rewards for r in batch])
+        vs, adv = vtrace(behaviour, logp.detach(), rewards, values.detach(), steps, gamma, rho_bar, c_bar)
+        w = steps.float()
+        pg = -(adv * logp * w).sum() / w.sum()
+        value_loss = 0.5 * (((vs - values) ** 2) * w).sum() / w.sum()
+        entropy = (ent * w).sum() / w.sum()
+        loss = pg + value_coef * value_loss - entropy_coef * entropy
+        est = torch.cat([r.estimated_ms for r in batch])
+        return loss, {"estimated_reward": float(torch.cat([r.rewards for r in batch]).mean()),
+                      "estimated_cost_ms": float(est.mean()), "entropy": float(entropy.detach()), "value_loss": float(value_loss.detach()),
+                      "overflow": float(torch.cat([r.overflow for r in batch]).float().mean())}

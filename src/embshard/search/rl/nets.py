@@ -1,0 +1,236 @@
+"""The networks of DreamShard and AutoShard (torch modules; Lightning wraps them in `modules`).
+
+Every network that sees devices scores ONE device from that device's own inputs (plus, where
+noted, an element-wise max over devices), with weights shared by all devices, and every
+network that sees tables encodes ONE table and sums: so any number of tables and devices
+goes through the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+#: The three per-device costs DreamShard's heads predict, mapped onto what the hardware
+#: evaluator measures: fused forward+backward kernel, forward all-to-all (including the wait
+#: for the slowest device), backward all-to-all.
+HEADS = ("compute", "forward_comm", "backward_comm")
+
+
+def mlp(sizes: Sequence[int], relu_last: bool = False) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2 or relu_last:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def _zero_linear(width: int) -> nn.Linear:
+    layer = nn.Linear(width, 1)
+    nn.init.zeros_(layer.weight)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def log1p_ms(y: torch.Tensor) -> torch.Tensor:
+    """A head's output is log(1 + ms); this turns it into ms (>= 0)."""
+    return torch.expm1(y.clamp(min=0.0, max=20.0))
+
+
+class ShardEncoder(nn.Module):
+    """A per-table encoder (features → hidden → out, ReLU) whose sum over a shard's tables
+    describes the shard.
+
+    With `additive`, one more column holds the table's own compute estimate (ms, >= 0), so a
+    shard's sum also carries the sum of its tables' costs, and `compute_log` predicts the
+    shard's compute as that sum times a bounded interaction factor (e^±1) from the rest of
+    the encoding. That extrapolates to shards of more tables than training saw, where an
+    unbounded MLP on the sum (the reference's head; `additive: false`) does not.
+    """
+
+    def __init__(self, num_features: int, hidden: int = 128, out: int = 32, additive: bool = True):
+        super().__init__()
+        self.mlp = mlp([num_features, hidden, out], relu_last=True)
+        self.own = nn.Linear(out, 1) if additive else None
+        self.out = out
+        self.width = out + (1 if additive else 0)  # columns of an encoding (and of a sum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.mlp(x)
+        return torch.cat([e, nn.functional.softplus(self.own(e))], dim=-1) if self.own is not None else e
+
+    def features(self, sums: torch.Tensor) -> torch.Tensor:
+        """What heads read from a sum: the encoding part, and log(1 + summed own cost)."""
+        if self.own is None:
+            return sums
+        return torch.cat([sums[..., : self.out], torch.log1p(sums[..., self.out :])], dim=-1)
+
+    def compute_log(self, head: nn.Module, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """[...] log(1 + compute ms) of shards from sums [..., width] and table counts [...]
+        (an empty shard computes nothing)."""
+        if self.own is None:
+            y = head(sums).squeeze(-1)
+        else:
+            y = torch.log1p(sums[..., self.out] * torch.exp(torch.tanh(head(self.features(sums)).squeeze(-1))))
+        return y * (counts > 0)
+
+
+class DreamShardCostNet(nn.Module):
+    """DreamShard's cost network.
+
+    A table encoder is summed over each device's tables (`ShardEncoder`). Per-device heads
+    predict log(1 + ms) of compute (from the device's sum), forward and backward comm (from
+    the sum and the element-wise max of all devices' sums: an all-to-all's time, and the
+    forward wait, depend on the other devices too). An overall head on the element-wise MAX
+    over devices of the sums predicts the plan cost.
+    """
+
+    def __init__(self, num_features: int, hidden: int = 128, out: int = 32, head_hidden: int = 64, additive: bool = True):
+        super().__init__()
+        self.encoder = ShardEncoder(num_features, hidden, out, additive)
+        w = self.encoder.width
+        self.compute = mlp([w, head_hidden, 1])
+        self.forward_comm = mlp([2 * w, head_hidden, 1])
+        self.backward_comm = mlp([2 * w, head_hidden, 1])
+        self.overall = mlp([w, head_hidden, 1])
+        self.width = w
+
+    def device_log(self, sums: torch.Tensor, counts: torch.Tensor, device_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., D, 3] raw head outputs, log(1 + ms) of compute, forward comm, backward comm,
+        from per-device encoding sums [..., D, E] and table counts [..., D] (an empty device
+        computes nothing); `device_mask` [..., D] marks real devices when D is padded."""
+        feats = self.encoder.features(sums)
+        ctx = self.context(feats, device_mask).unsqueeze(-2).expand_as(feats)
+        both = torch.cat([feats, ctx], dim=-1)
+        compute = self.encoder.compute_log(self.compute, sums, counts)
+        return torch.stack([compute, self.forward_comm(both).squeeze(-1), self.backward_comm(both).squeeze(-1)], dim=-1)
+
+    def device_costs(self, sums: torch.Tensor, counts: torch.Tensor, device_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., D, 3] predicted ms (see `device_log`)."""
+        return log1p_ms(self.device_log(sums, counts, device_mask))
+
+    def plan_log(self, sums: torch.Tensor, device_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[...] raw overall head output, log(1 + plan cost ms)."""
+        return self.overall(self.context(self.encoder.features(sums), device_mask)).squeeze(-1)
+
+    def plan_cost(self, sums: torch.Tensor, device_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[...] predicted plan cost (ms) from the overall head."""
+        return log1p_ms(self.plan_log(sums, device_mask))
+
+    @staticmethod
+    def context(feats: torch.Tensor, device_mask: torch.Tensor | None) -> torch.Tensor:
+        if device_mask is not None:
+            feats = feats.masked_fill(~device_mask.unsqueeze(-1), 0.0)  # features are >= 0
+        return feats.max(dim=-2).values
+
+
+#: Inputs per device that describe its predicted costs: log(1 + ms) of the three costs and
+#: the three as shares of an even split of the task's predicted compute.
+COST_FEATURES = 6
+
+
+def cost_features(costs: torch.Tensor, even_ms: float) -> torch.Tensor:
+    """[..., D, 6] from [..., D, 3] predicted ms and the task's even share of compute (ms)."""
+    return torch.cat([torch.log1p(costs), costs / max(even_ms, 1e-3)], dim=-1)
+
+
+class DreamShardPolicy(nn.Module):
+    """One logit per device.
+
+    Inputs of a device: an encoding of its current tables (the policy's own table encoder,
+    summed, scaled by devices / tables so it reads as a multiple of an even share) and an
+    encoding of its three predicted costs. With `encode_table` (not in the reference) also
+    the encoding of the table being placed and of the device's three predicted costs if it
+    took that table.
+    """
+
+    def __init__(self, num_features: int, hidden: int = 128, out: int = 32, cost_hidden: int = 32,
+                 scorer_hidden: int = 64, encode_table: bool = True, skip: bool = True):
+        super().__init__()
+        self.encode_table = encode_table
+        self.encoder = mlp([num_features, hidden, out], relu_last=True)
+        self.cost_encoder = mlp([COST_FEATURES, cost_hidden, cost_hidden], relu_last=True)
+        width = out + cost_hidden + ((out + cost_hidden) if encode_table else 0)
+        self.scorer = mlp([width, scorer_hidden, 1])
+        # a linear path from the raw cost features to the logit, starting at zero: "prefer the
+        # device whose cost (with the table) is lowest" is then one direction away, which
+        # REINFORCE finds far sooner than through the MLP alone
+        self.skip = _zero_linear(COST_FEATURES * (2 if encode_table else 1)) if skip else None
+
+    def logits(self, device_enc: torch.Tensor, costs: torch.Tensor, table_enc: torch.Tensor | None,
+               whatif: torch.Tensor | None) -> torch.Tensor:
+        """[..., D] logits from device encodings [..., D, E], cost features [..., D, 6] and,
+        with encode_table, the table's encoding [..., E] and what-if cost features [..., D, 6]."""
+        parts = [device_enc, self.cost_encoder(costs)]
+        raw = [costs]
+        if self.encode_table:
+            parts += [table_enc.unsqueeze(-2).expand_as(device_enc), self.cost_encoder(whatif)]
+            raw.append(whatif)
+        out = self.scorer(torch.cat(parts, dim=-1))
+        if self.skip is not None:
+            out = out + self.skip(torch.cat(raw, dim=-1))
+        return out.squeeze(-1)
+
+
+#: AutoShard's per-device action inputs besides the summed encoding: log(1 + predicted ms),
+#: predicted ms as a share of an even split, memory used as a share of the device's.
+AUTOSHARD_DEVICE_FEATURES = 3
+
+
+class AutoShardNet(nn.Module):
+    """AutoShard: a table encoder shared by the cost model and the policy.
+
+    Cost model: sum of a shard's encodings → head → log(1 + compute ms) (`ShardEncoder`). Policy: an LSTM over
+    the placement sequence (input: the current table's encoding and the fraction of tables
+    placed); each device's action vector [summed encoding of its shard (scaled by devices /
+    tables), predicted shard cost, memory used] is projected to the LSTM's width and scored
+    by an MLP over [state, action, state ⊙ action]. A value head sees the state and the
+    mean and max of the action vectors (the state alone does not depend on the placements
+    so far).
+    """
+
+    def __init__(self, num_features: int, hidden: int = 128, out: int = 32, head_hidden: int = 64,
+                 lstm_hidden: int = 64, scorer_hidden: int = 64, additive: bool = True, skip: bool = True):
+        super().__init__()
+        self.encoder = ShardEncoder(num_features, hidden, out, additive)
+        w = self.encoder.width
+        self.cost_head = mlp([w, head_hidden, 1])
+        self.lstm = nn.LSTM(w + 1, lstm_hidden, batch_first=True)
+        self.action = nn.Linear(w + AUTOSHARD_DEVICE_FEATURES, lstm_hidden)
+        self.scorer = mlp([3 * lstm_hidden, scorer_hidden, 1])
+        self.value = mlp([3 * lstm_hidden, scorer_hidden, 1])
+        self.skip = _zero_linear(AUTOSHARD_DEVICE_FEATURES) if skip else None  # as DreamShardPolicy's
+        self.width = w
+
+    def shard_log(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """[...] raw cost head output, log(1 + compute ms), from encoding sums [..., E] and
+        table counts [...] (an empty shard computes nothing)."""
+        return self.encoder.compute_log(self.cost_head, sums, counts)
+
+    def shard_cost(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """[...] predicted compute ms of shards."""
+        return log1p_ms(self.shard_log(sums, counts))
+
+    def actions(self, device_sums: torch.Tensor, device_feats: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.action(torch.cat([self.encoder.features(device_sums), device_feats], dim=-1)))
+
+    def logits(self, state: torch.Tensor, actions: torch.Tensor, device_feats: torch.Tensor) -> torch.Tensor:
+        """[..., D] from LSTM states [..., H], action vectors [..., D, H] and the raw device
+        features [..., D, 3] (through a linear skip path)."""
+        s = state.unsqueeze(-2).expand_as(actions)
+        out = self.scorer(torch.cat([s, actions, s * actions], dim=-1))
+        if self.skip is not None:
+            out = out + self.skip(device_feats)
+        return out.squeeze(-1)
+
+    def values(self, state: torch.Tensor, actions: torch.Tensor, device_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if device_mask is None:
+            mean, top = actions.mean(-2), actions.max(-2).values
+        else:
+            m = device_mask.unsqueeze(-1).float()
+            mean = (actions * m).sum(-2) / m.sum(-2).clamp_min(1.0)
+            top = (actions * m).max(-2).values
+        return self.value(torch.cat([state, mean, top], dim=-1)).squeeze(-1)

@@ -1,0 +1,249 @@
+"""DreamShard and AutoShard: a short seeded training on a tiny setting (real FBGEMM CPU
+kernels measure the policy's plans; compute only, to stay fast), then the searchers built
+from the checkpoints it writes: learning beats a random policy, checkpoints round-trip and
+fail with one line, unseen device counts plan, random feasible tasks always get valid
+plans, infeasible tasks get the baselines' one-line memory error.
+
+The training runs once per module (about 10 s for both algorithms).
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from omegaconf import OmegaConf
+
+from embshard import InfeasibleError, InputError, Table, Task, validate
+from embshard.hardware.evaluator import HardwareEvaluator
+from embshard.search.baselines import GreedySharder, RandomSharder
+from embshard.search.rl.checkpoint import load_checkpoint, save_checkpoint
+from embshard.search.rl.env import best_plan, rollout
+from embshard.search.rl.losses import masked_log_softmax, vtrace
+from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
+from embshard.search.rl.stage import make_agent, switches_of, train_agent
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 512
+SHARDERS = {"dreamshard": DreamShardSharder, "autoshard": AutoShardSharder}
+
+
+def make_task(tables, num_devices, batch_size=BATCH, slack=1.5, name="t") -> Task:
+    probe = Task(name, num_devices, 1, batch_size, tuple(tables))
+    need = [probe.table_memory_bytes(t) for t in tables]
+    memory = int(max(slack * sum(need) / num_devices, 1.05 * max(need)))
+    return Task(name, num_devices, memory, batch_size, tuple(tables))
+
+
+def random_tables(rng: np.random.Generator, n: int, prefix: str) -> list[Table]:
+    return [Table(f"{prefix}{i}", int(rng.integers(1_000, 60_000)), int(4 * rng.integers(1, 17)),
+                  float(rng.uniform(1.0, 30.0))) for i in range(n)]
+
+
+def tiny_tasks(seed: int, count: int, num_devices: int, prefix: str) -> list[Task]:
+    rng = np.random.default_rng(seed)
+    return [make_task(random_tables(rng, int(rng.integers(6, 11)), f"{prefix}{k}_"), num_devices, name=f"{prefix}{k}")
+            for k in range(count)]
+
+
+def rl_config(algorithm: str, *overrides: str) -> dict:
+    """The real conf/rl/<algorithm>.yaml, composed through train.yaml, with a tiny loop."""
+    tiny = ["rl.iterations=3", "rl.measure_tasks=2", "rl.measure_plans_per_task=3", "rl.measure_rounds=1",
+            "rl.cost_steps=60", "rl.policy_steps=8", "rl.wandb=false", "progress=false"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["stage=rl", f"rl={algorithm}", *tiny, *overrides])
+    return OmegaConf.to_container(cfg.rl, resolve=True)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Both algorithms trained on tiny 2-device tasks; checkpoints written."""
+    torch.set_num_threads(1)
+    evaluator = HardwareEvaluator(comm_backend=None, warmups=1, repetitions=2, seed=0)
+    tasks = tiny_tasks(0, 8, 2, "train")
+    out = {}
+    for algorithm in SHARDERS:
+        c = rl_config(algorithm)
+        d = tmp_path_factory.mktemp(algorithm)
+        agent, module, timing = train_agent(c, tasks, d, lambda task, plans: evaluator.measure_many(task, plans, rounds=1))
+        path = d / "policy.pt"
+        card = {"measurements": module.measurements, "train_tables": sorted({t.name for k in tasks for t in k.tables})}
+        save_checkpoint(path, agent, c["nets"][algorithm], switches_of(c), card, {"history": module.history})
+        out[algorithm] = {"agent": agent, "module": module, "config": c, "path": path, "tasks": tasks}
+    return out
+
+
+@pytest.mark.parametrize("algorithm", list(SHARDERS))
+def test_short_training_beats_the_random_policy_on_estimated_cost(trained, algorithm):
+    t = trained[algorithm]
+    agent, c = t["agent"], t["config"]
+    assert t["module"].measurements == 3 * 2 * 3  # iterations x tasks x plans, all on real kernels
+    held_out = tiny_tasks(1, 6, 2, "test")  # tables never seen in training
+
+    def ratio(planner) -> float:  # plans of `planner`, all estimated by the trained cost network
+        ours = [agent.estimate_plan(k, best_plan(planner, k, 0)[0]) for k in held_out]
+        rnd = [np.mean([agent.estimate_plan(k, RandomSharder(seed=s).shard(k)) for s in range(4)]) for k in held_out]
+        return float(np.mean(np.array(ours) / np.array(rnd)))
+
+    trained_ratio = ratio(agent)
+    torch.manual_seed(1)
+    untrained_ratio = ratio(make_agent(c, t["tasks"]))  # every network at its initial weights
+    # seen here (real kernels label the cost network, so runs differ): trained 0.84-0.89,
+    # untrained 1.03-1.17, random 1 by definition
+    assert trained_ratio <= 0.95, (trained_ratio, untrained_ratio)
+    assert untrained_ratio >= trained_ratio + 0.1, (trained_ratio, untrained_ratio)
+
+
+@pytest.mark.parametrize("algorithm", list(SHARDERS))
+def test_checkpoint_round_trip_plans_the_same(trained, algorithm):
+    t = trained[algorithm]
+    loaded, bundle = load_checkpoint(t["path"], algorithm)
+    assert bundle["data_card"]["measurements"] == 18
+    for name, module in t["agent"].modules().items():
+        for k, v in module.state_dict().items():
+            assert torch.equal(v, loaded.modules()[name].state_dict()[k]), k
+    sharder = SHARDERS[algorithm](checkpoint=str(t["path"]), samples=3, seed=5)
+    for task in tiny_tasks(2, 3, 2, "rt"):
+        plan = sharder.shard(task)
+        again, _ = best_plan(t["agent"], task, 3, generator=torch.Generator().manual_seed(5), algorithm=algorithm)
+        assert plan.shards == again.shards
+        assert sharder.last_predicted_cost_ms > 0
+
+
+@pytest.mark.parametrize("algorithm", list(SHARDERS))
+def test_bad_checkpoints_give_one_line_errors(trained, algorithm, tmp_path):
+    good = trained[algorithm]["path"]
+    other = trained["autoshard" if algorithm == "dreamshard" else "dreamshard"]["path"]
+    bundle = torch.load(good, weights_only=True)
+    cases: dict[str, Path] = {}
+    cases["truncated"] = tmp_path / "truncated.pt"
+    cases["truncated"].write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    cases["garbage"] = tmp_path / "garbage.pt"
+    cases["garbage"].write_bytes(b"\x00not a checkpoint\xff" * 10)
+    cases["pickled object"] = tmp_path / "object.pt"
+    cases["pickled object"].write_bytes(pickle.dumps(Task))  # weights_only refuses arbitrary objects
+    for name, change in (("features", lambda b: b["normalization"]["names"].__setitem__(0, "other")),
+                         ("shapes", lambda b: b["state_dicts"][next(iter(b["state_dicts"]))].update(
+                             {k: torch.zeros(3) for k in list(b["state_dicts"][next(iter(b["state_dicts"]))])[:1]})),
+                         ("version", lambda b: b.__setitem__("format_version", 99))):
+        b = torch.load(good, weights_only=True)
+        change(b)
+        cases[name] = tmp_path / f"{name}.pt"
+        torch.save(b, cases[name])
+    cases["other algorithm"] = other
+    cases["missing"] = tmp_path / "nope.pt"
+    messages = {}
+    for name, path in cases.items():
+        with pytest.raises(InputError) as err:
+            SHARDERS[algorithm](checkpoint=str(path)).shard(tiny_tasks(3, 1, 2, "x")[0])
+        msg = str(err.value)
+        assert "\n" not in msg and str(path) in msg, (name, msg)
+        messages[name] = msg
+    assert "trained on other table features" in messages["features"]
+    assert "not 'dreamshard'" in messages["other algorithm"] or "not 'autoshard'" in messages["other algorithm"]
+    assert "make rl-checkpoints" in messages["missing"]
+    assert bundle["algorithm"] == algorithm
+
+
+@pytest.mark.parametrize("algorithm", list(SHARDERS))
+def test_device_and_table_counts_unseen_in_training(trained, algorithm):
+    sharder = SHARDERS[algorithm](checkpoint=str(trained[algorithm]["path"]), samples=2)
+    rng = np.random.default_rng(4)
+    for devices, tables in ((1, 5), (3, 9), (5, 30), (8, 60), (16, 40)):
+        task = make_task(random_tables(rng, tables, "u"), devices, name=f"u{devices}")
+        plan = sharder.shard(task)
+        validate(task, plan)
+        assert sorted(s.table for s in plan.shards) == sorted(t.name for t in task.tables)
+        if devices > 1 and tables >= 3 * devices:
+            assert len({s.device for s in plan.shards}) > 1  # spreads work, not piled on one device
+
+
+@st.composite
+def feasible_task_st(draw):
+    """Any table and device count, several batch sizes; memory such that a memory-respecting
+    placement exists (each table at most half a device, all at most half of all memory)."""
+    n = draw(st.integers(1, 40))
+    tables = [Table(f"h{i}", draw(st.integers(1, 300_000)), 4 * draw(st.integers(1, 32)), draw(st.floats(0.0, 80.0)))
+              for i in range(n)]
+    devices = draw(st.integers(1, 12))
+    batch = draw(st.sampled_from([64, 512, 4096]))
+    probe = Task("h", devices, 1, batch, tuple(tables))
+    need = [probe.table_memory_bytes(t) for t in tables]
+    memory = max(2 * max(need), -(-2 * sum(need) // devices))
+    memory += draw(st.integers(0, memory))
+    return Task("h", devices, memory, batch, tuple(tables))
+
+
+@settings(max_examples=40, deadline=None)
+@given(task=feasible_task_st())
+def test_random_feasible_tasks_always_get_valid_plans(trained, task):
+    for algorithm, cls in SHARDERS.items():
+        plan = cls(checkpoint=str(trained[algorithm]["path"]), samples=2).shard(task)
+        validate(task, plan)
+        assert sorted(s.table for s in plan.shards) == sorted(t.name for t in task.tables)
+        assert all(m <= task.device_memory_bytes for m in plan.memory_bytes(task))
+
+
+@pytest.mark.parametrize("algorithm", list(SHARDERS))
+def test_infeasible_task_gives_the_baselines_one_line_memory_error(trained, algorithm):
+    rng = np.random.default_rng(6)
+    tables = random_tables(rng, 7, "i")
+    probe = Task("i", 3, 1, BATCH, tuple(tables))
+    biggest = max(tables, key=probe.table_memory_bytes)
+    task = Task("i", 3, probe.table_memory_bytes(biggest) - 1000, BATCH, tuple(tables))
+    with pytest.raises(InfeasibleError) as ours:
+        SHARDERS[algorithm](checkpoint=str(trained[algorithm]["path"])).shard(task)
+    with pytest.raises(InfeasibleError) as baseline:
+        GreedySharder("size").shard(task)
+    assert str(ours.value) == str(baseline.value) and "\n" not in str(ours.value)
+    assert ours.value.table == biggest.name and ours.value.shortfall_bytes == 1000
+    # every table fits alone but not all together: the ledger's error, naming a table and the shortfall
+    same = [Table(f"s{i}", 10_000, 16, 5.0) for i in range(6)]
+    one = Task("j", 2, 1, BATCH, tuple(same)).table_memory_bytes(same[0])
+    tight = Task("j", 2, int(2.5 * one), BATCH, tuple(same))
+    with pytest.raises(InfeasibleError) as err:
+        SHARDERS[algorithm](checkpoint=str(trained[algorithm]["path"])).shard(tight)
+    assert err.value.table in {t.name for t in same} and err.value.shortfall_bytes > 0 and "short by" in str(err.value)
+
+
+@pytest.mark.parametrize("mask", ["lookahead", "room", "none"])
+def test_training_rollouts_follow_their_mask(trained, mask):
+    agent = trained["dreamshard"]["agent"]
+    task = make_task(random_tables(np.random.default_rng(8), 12, "m"), 3, slack=1.05)
+    r = rollout(agent, agent.prepare(task), 6, train=True, mask=mask, generator=torch.Generator().manual_seed(0))
+    taken = r.actions.clamp(min=0).unsqueeze(-1)
+    assert bool(torch.where(r.steps, r.masks.gather(-1, taken).squeeze(-1) | ~r.masks.any(-1), True).all())
+    for k in range(6):
+        if not bool(r.overflow[k]):
+            validate(task, r.plan(k, "x"))
+    if mask == "lookahead":
+        assert not r.overflow.any()
+
+
+def test_vtrace_matches_its_definition():
+    g = torch.Generator().manual_seed(0)
+    b, t = 3, 5
+    blp, tlp = -torch.rand(b, t, generator=g), -torch.rand(b, t, generator=g)
+    rew, val = torch.randn(b, t, generator=g), torch.randn(b, t, generator=g)
+    steps = torch.ones(b, t, dtype=torch.bool)
+    steps[1, 3:] = False
+    vs, adv = vtrace(blp, tlp, rew, val, steps, gamma=0.9)
+    for i in range(b):
+        n = int(steps[i].sum())
+        rho = torch.exp(tlp[i, :n] - blp[i, :n]).clamp(max=1.0)
+        v = torch.cat([val[i, :n], torch.zeros(1)])
+        for s in range(n):  # v_s = V(x_s) + sum_t gamma^(t-s) (prod_{i<t} c_i) rho_t delta_t
+            total, coef = val[i, s].clone(), 1.0
+            for u in range(s, n):
+                total += coef * rho[u] * (rew[i, u] + 0.9 * v[u + 1] - v[u])
+                coef *= 0.9 * float(rho[u])
+            assert float(vs[i, s]) == pytest.approx(float(total), abs=1e-5)
+    assert float(vs[1, 3:].abs().sum()) == 0.0 and float(adv[1, 3:].abs().sum()) == 0.0
+    logp = masked_log_softmax(torch.randn(4, 5), torch.tensor([[True, False, True, False, False]] * 4))
+    assert torch.allclose(logp.exp().sum(-1), torch.ones(4)) and float(logp[:, 1].exp().max()) == 0.0
