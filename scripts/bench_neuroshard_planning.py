@@ -19,8 +19,7 @@ import logging
 import time
 from pathlib import Path
 
-from embshard.data.synthetic import generate_synthetic
-from embshard.data.tasks import neuroshard_tasks, table_pool_from_dataset
+from embshard.data.tasks import planning_bench_tasks
 from embshard.search.neuroshard import NeuroShardSharder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,18 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    data = ROOT / "data" / f"synthetic_t{args.tables}_bs{args.trace_batch}_s{args.seed}.pt"
-    if not data.is_file():
-        print(f"generating {data} ...", flush=True)
-        generate_synthetic(data, num_tables=args.tables, batch_size=args.trace_batch, seed=args.seed)
-    pool = table_pool_from_dataset(data)
-    if len(pool) < args.tables:
-        raise SystemExit(f"pool {data} has {len(pool)} tables, need {args.tables}")
-    (task,) = neuroshard_tasks(pool, 1, min_tables=args.tables, max_tables=args.tables,
-                               num_devices=args.devices, batch_size=65536, seed=args.seed,
-                               name_prefix=f"bench{args.tables}x{args.devices}")
-    (warm,) = neuroshard_tasks(pool, 1, min_tables=10, max_tables=10, num_devices=2, seed=args.seed,
-                               name_prefix="warm")
+    task, warm = planning_bench_tasks(args.tables, args.devices, ROOT / "data", trace_batch=args.trace_batch, seed=args.seed)
     print(f"task {task.name}: {len(task.tables)} tables, {task.num_devices} devices, "
           f"{task.device_memory_bytes / 2**30:.2f} GiB per device")
 

@@ -22,8 +22,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from embshard.data.synthetic import generate_synthetic
-from embshard.data.tasks import neuroshard_tasks, table_pool_from_dataset
+from embshard.data.tasks import planning_bench_tasks
 from embshard.plan import validate
 from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
 
@@ -46,16 +45,9 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    data = ROOT / "data" / f"synthetic_t{args.tables}_bs{args.trace_batch}_s{args.seed}.pt"
-    if not data.is_file():
-        print(f"generating {data} ...", flush=True)
-        generate_synthetic(data, num_tables=args.tables, batch_size=args.trace_batch, seed=args.seed)
-    pool = table_pool_from_dataset(data)
-    (task,) = neuroshard_tasks(pool, 1, min_tables=args.tables, max_tables=args.tables, num_devices=args.devices,
-                               batch_size=65536, seed=args.seed, name_prefix=f"bench{args.tables}x{args.devices}")
+    task, warm = planning_bench_tasks(args.tables, args.devices, ROOT / "data", trace_batch=args.trace_batch, seed=args.seed)
     if args.no_histograms:
         task = replace(task, tables=tuple(replace(t, reuse_histogram=None, trace=None) for t in task.tables))
-    (warm,) = neuroshard_tasks(pool, 1, min_tables=10, max_tables=10, num_devices=2, seed=args.seed, name_prefix="warm")
     print(f"task {task.name}: {len(task.tables)} tables, {task.num_devices} devices, "
           f"{task.device_memory_bytes / 2**30:.2f} GiB per device" + (", no histograms" if args.no_histograms else ""))
     for samples in [int(s) for s in args.samples.split(",")]:

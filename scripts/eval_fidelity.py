@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embshard.costs.pretrain import kendall_tau_b, regression_metrics
+from embshard.costs.pretrain import per_task_kendall_taus, regression_metrics
 
 
 def distinct_results(report: dict) -> list[dict]:
@@ -51,13 +51,7 @@ def fidelity(results: list[dict]) -> dict:
                 pred.append(p)
                 meas.append(m)
     compute = regression_metrics(np.array(meas), np.array(pred))
-    taus = []
-    for task in sorted({r["task"] for r in results}):
-        rows = [r for r in results if r["task"] == task]
-        if len(rows) >= 2:
-            t = kendall_tau_b(np.array([r["measured_cost_ms"] for r in rows]), np.array([r["estimated_cost_ms"] for r in rows]))
-            if np.isfinite(t):
-                taus.append(t)
+    taus = per_task_kendall_taus(results, "measured_cost_ms", "estimated_cost_ms")
     plan = regression_metrics(np.array([r["measured_cost_ms"] for r in results]), np.array([r["estimated_cost_ms"] for r in results]))
     env = [r["envelope"] for r in results if r.get("envelope")]
     return {

@@ -371,3 +371,17 @@ def test_numpy_inference_matches_torch_and_running_sums(trained):
     # the search's running sums: head_ms(sum of encodings) is the same prediction
     enc = models.table_encodings(pool[1:5])
     assert models.head_ms(enc.sum(0, keepdims=True))[0] == pytest.approx(models.compute_ms([pool[1:5]])[0], rel=1e-6)
+
+
+def test_per_task_kendall_taus_never_mixes_tasks():
+    from embshard.costs.pretrain import per_task_kendall_taus
+
+    # Task "a" is ranked right, task "b" exactly wrong, on scales where pooling all five plans
+    # would give a high tau (b's costs are 100x a's); task "c" has one plan: no tau.
+    rows = ([{"task": "a", "m": m, "p": m + 0.5} for m in (1.0, 2.0, 3.0)]
+            + [{"task": "b", "m": m, "p": 400.0 - m} for m in (100.0, 200.0)]
+            + [{"task": "c", "m": 5.0, "p": 1.0}])
+    assert per_task_kendall_taus(rows, "m", "p") == [1.0, -1.0]
+    # Tasks keyed by (report, name): same names in two reports stay apart.
+    rows2 = [{**r, "task": (0, r["task"])} for r in rows[:3]] + [{**r, "task": (1, "a")} for r in rows[3:5]]
+    assert per_task_kendall_taus(rows2, "m", "p") == [1.0, -1.0]

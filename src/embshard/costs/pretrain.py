@@ -97,6 +97,21 @@ def kendall_tau_b(x: np.ndarray, y: np.ndarray, chunk: int = 2048) -> float:
     return float(s / 2 / denom) if denom > 0 else float("nan")
 
 
+def per_task_kendall_taus(rows: Sequence[Mapping[str, Any]], measured: str, predicted: str) -> list[float]:
+    """Kendall tau-b of predicted vs measured plan cost within each task (rows keyed by "task").
+
+    Plans are only ever compared with plans of the same task, so tasks never mix; tasks with
+    fewer than two plans, or with a tau that is undefined (all ties), give no value."""
+    taus = []
+    for task in sorted({r["task"] for r in rows}):
+        group = [r for r in rows if r["task"] == task]
+        if len(group) >= 2:
+            t = kendall_tau_b(np.array([r[measured] for r in group]), np.array([r[predicted] for r in group]))
+            if np.isfinite(t):
+                taus.append(float(t))
+    return taus
+
+
 def regression_metrics(y_true: np.ndarray, y_pred: np.ndarray) -> dict[str, float]:
     """RMSE (ms), MAPE (%), R², Kendall τ-b and n of predictions against labels (ms)."""
     t = np.asarray(y_true, np.float64).ravel()

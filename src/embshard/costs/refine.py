@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from embshard.costs.collect import PROFILE, comm_record, compute_record, piece_record, read_profile
-from embshard.costs.pretrain import kendall_tau_b, pretrain, regression_metrics
+from embshard.costs.pretrain import per_task_kendall_taus, pretrain, regression_metrics
 from embshard.errors import EmbshardError, InputError
 from embshard.io import atomic_path, write_json_atomic, write_text_atomic
 from embshard.task import Task
@@ -125,13 +125,7 @@ def score_round(compute_rows: list[dict], comm_rows: list[dict], plan_rows: list
         if cm:
             out["forward_comm"][g] = regression_metrics([x for r in cm for x in r["forward_ms"]],
                                                         [x for r in cm for x in r["predicted_forward_ms"]])
-    taus = []
-    for task in sorted({r["task"] for r in plan_rows}):
-        rows = [r for r in plan_rows if r["task"] == task]
-        if len(rows) >= 2:
-            t = kendall_tau_b(np.array([r["measured_ms"] for r in rows]), np.array([r["predicted_ms"] for r in rows]))
-            if np.isfinite(t):
-                taus.append(t)
+    taus = per_task_kendall_taus(plan_rows, "measured_ms", "predicted_ms")
     out["plan_cost"] = {"mean_task_kendall_tau": float(np.mean(taus)) if taus else None, "tasks": len(taus),
                         **regression_metrics([r["measured_ms"] for r in plan_rows], [r["predicted_ms"] for r in plan_rows])}
     return out

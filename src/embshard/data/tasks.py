@@ -316,6 +316,26 @@ def neuroshard_tasks(
     return tasks
 
 
+def planning_bench_tasks(num_tables: int, num_devices: int, data_dir: str | os.PathLike, *, trace_batch: int = 512,
+                         seed: int = 0) -> tuple[Task, Task]:
+    """The planning benchmarks' (task, warm-up task): every table of a `num_tables`-table
+    synthetic pool (generated into `data_dir` once, then reused) on `num_devices` devices at
+    batch 65536, and a 10-table, 2-device task of the same pool to warm a planner up."""
+    from embshard.data.synthetic import generate_synthetic
+
+    data = Path(data_dir) / f"synthetic_t{num_tables}_bs{trace_batch}_s{seed}.pt"
+    if not data.is_file():
+        print(f"generating {data} ...", flush=True)
+        generate_synthetic(data, num_tables=num_tables, batch_size=trace_batch, seed=seed)
+    pool = table_pool_from_dataset(data)
+    if len(pool) < num_tables:
+        raise InputError(f"pool {data} has {len(pool)} tables, need {num_tables}")
+    (task,) = neuroshard_tasks(pool, 1, min_tables=num_tables, max_tables=num_tables, num_devices=num_devices,
+                               batch_size=65536, seed=seed, name_prefix=f"bench{num_tables}x{num_devices}")
+    (warm,) = neuroshard_tasks(pool, 1, min_tables=10, max_tables=10, num_devices=2, seed=seed, name_prefix="warm")
+    return task, warm
+
+
 def dreamshard_tasks(
     pool: Any,
     out_dir: str | os.PathLike | None = None,
