@@ -59,11 +59,13 @@ neuroshard-eval: $(STAMP)
 	$(PY) train.py stage=tasks task=neuroshard_cpu task.num_devices=8 $(NS_DATA) out_dir=$(NS)/tasks8
 	$(PY) shard.py task_file=$(NS)/tasks4/test algorithms=$(NS_ALGOS) rounds=3 out_dir=$(NS)/runs/4dev
 	$(PY) shard.py task_file=$(NS)/tasks8/test algorithms=$(NS_ALGOS) rounds=3 out_dir=$(NS)/runs/8dev
+	$(PY) scripts/summarize_improvement.py $(NS)/runs/4dev/report.json $(NS)/runs/8dev/report.json --by-devices
 
 trust-eval: $(STAMP)
 	$(PY) train.py stage=tasks task=user_eval seed=7 out_dir=$(UE)/tasks
 	$(PY) shard.py task_file=$(UE)/tasks algorithms=$(NS_ALGOS) rounds=3 out_dir=$(UE)/runs
-	$(PY) scripts/summarize_improvement.py $(UE)/runs/report.json
+	$(PY) scripts/summarize_improvement.py $(UE)/runs/report.json --by-devices
+	$(PY) scripts/summarize_improvement.py $(UE)/runs/report.json --markdown
 	$(PY) scripts/eval_fidelity.py $(UE)/runs/report.json $(NS)/runs/4dev/report.json $(NS)/runs/8dev/report.json --by-algorithm
 
 # End to end on this CPU: the embedding-heavy DLRM task (32 tables, 2 devices), its plans

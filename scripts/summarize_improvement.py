@@ -2,11 +2,15 @@
 
 Example:
     .venv/bin/python scripts/summarize_improvement.py experiments/user_eval/runs/report.json [more ...] [--markdown]
+    .venv/bin/python scripts/summarize_improvement.py experiments/user_eval/runs/report.json --by-devices
 
 Per task: the algorithm's measured cost, its search's own pick before the guard (the
 `<algorithm>_pick` row, when the guard ran), the best heuristic's (the lowest of the baselines
 present), TorchRec's, the ratios, and whether the algorithm was worse than the best heuristic
 by more than the measurement spread (the larger of the two plans' IQRs). Then the means.
+`--by-devices`: a markdown table instead, per device count and in all: every algorithm's mean
+measured cost, the ratios (mean per task) of the algorithm and of its pick to the best heuristic
+and to TorchRec, and mean search seconds.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def rows_of(report: dict, algorithm: str, metric: str) -> list[dict]:
             "best": best[metric],
             "torchrec": by.get("torchrec", {}).get(metric),
             "spread": spread,
+            "pick_spread": max(by.get(f"{algorithm}_pick", {}).get("measured_spread_ms") or 0.0,
+                               best.get("measured_spread_ms") or 0.0),
         }
         row["vs_best"] = row["mine"] / row["best"]
         row["pick_vs_best"] = row["pick"] / row["best"] if row["pick"] is not None else None
@@ -48,6 +54,58 @@ def rows_of(report: dict, algorithm: str, metric: str) -> list[dict]:
         row["worse_beyond_spread"] = row["mine"] - row["best"] > spread
         out.append(row)
     return out
+
+
+def by_devices_table(reports: list[dict], algorithm: str, metric: str) -> str:
+    """Markdown: per device count (and all), mean cost per algorithm and the algorithm's ratios."""
+    # tasks keyed by (report, name): two reports may hold tasks of the same name (4dev/, 8dev/)
+    results = [{**r, "task": (i, r["task"])} for i, rep in enumerate(reports) for r in rep["results"]]
+    devices = {r["task"]: len(r["memory_bytes"]) for r in results if r.get("memory_bytes")}
+    ratio_rows = [row for rep in reports for row in rows_of(rep, algorithm, metric)]
+    groups = [(f"{d} devices ({sum(1 for t in set(devices) if devices[t] == d)} tasks)", d) for d in sorted(set(devices.values()))]
+    groups.append((f"all ({len(devices)} tasks)", None))
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in results))
+
+    def picked(d, rows):
+        return [x for x in rows if d is None or x["devices"] == d]
+
+    lines = [f"| mean measured cost (ms) | {' | '.join(g for g, _ in groups)} |", "|---|" + "---|" * len(groups)]
+    for a in algorithms:
+        cells = []
+        for _, d in groups:
+            v = [r[metric] for r in results if r["algorithm"] == a and r.get(metric) is not None
+                 and (d is None or devices.get(r["task"]) == d)]
+            cells.append(f"{mean(v):.1f}" if v else "-")
+        lines.append(f"| {a} | {' | '.join(cells)} |")
+    for label, key, worse in ((algorithm, "vs_best", True), (f"{algorithm}_pick", "pick_vs_best", True),
+                              (algorithm, "vs_torchrec", False), (f"{algorithm}_pick", None, False)):
+        cells = []
+        for _, d in groups:
+            rows = picked(d, ratio_rows)
+            if key is None:  # pick / torchrec
+                v = [x["pick"] / x["torchrec"] for x in rows if x["pick"] is not None and x["torchrec"]]
+            else:
+                v = [x[key] for x in rows if x[key] is not None]
+            if not v:
+                cells.append("-")
+                continue
+            cell = f"{mean(v):.3f}x"
+            if worse:
+                mine = "mine" if key == "vs_best" else "pick"
+                better = sum(x[mine] < x["best"] for x in rows if x[mine] is not None)
+                spread = "spread" if key == "vs_best" else "pick_spread"
+                beyond = sum(x[mine] - x["best"] > x[spread] for x in rows if x[mine] is not None)
+                cell += f" (better on {better}/{len(v)}, worse beyond the spread on {beyond}/{len(v)})"
+            cells.append(cell)
+        what = "best heuristic" if worse else "torchrec"
+        lines.append(f"| {label} / {what}, mean per task | {' | '.join(cells)} |")
+    cells = []
+    for _, d in groups:
+        v = {a: [r.get("search_seconds") or 0.0 for r in results if r["algorithm"] == a and (d is None or devices.get(r["task"]) == d)]
+             for a in (algorithm, f"{algorithm}_pick", "torchrec")}
+        cells.append(" / ".join(f"{mean(x):.1f}" if x else "-" for x in v.values()))
+    lines.append(f"| mean search s ({algorithm} / {algorithm}_pick / torchrec) | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 def _f(x, p: str) -> str:
@@ -60,7 +118,15 @@ def main() -> None:
     ap.add_argument("--algorithm", default="neuroshard")
     ap.add_argument("--metric", default="measured_cost_ms")
     ap.add_argument("--markdown", action="store_true", help="print the per-task table as markdown")
+    ap.add_argument("--by-devices", action="store_true", help="print the per-device-count table of means and ratios")
     args = ap.parse_args()
+    if args.by_devices:
+        reports = []
+        for path in args.reports:
+            with open(path) as f:
+                reports.append(json.load(f))
+        print(by_devices_table(reports, args.algorithm, args.metric))
+        return
     rows = []
     for path in args.reports:
         with open(path) as f:
