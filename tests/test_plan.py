@@ -70,8 +70,10 @@ def test_a_table_larger_than_any_device_raises_with_table_and_shortfall(tables, 
         assert repr(err.value.table) in str(err.value) and "short by" in str(err.value)
     with pytest.raises(InfeasibleError) as err:
         GreedySharder("size").shard(task)
-    # largest first: the first table that fails is the biggest, short by exactly one byte
-    if devices == 1 or len(tables) == 1:
+    # one table: it is the one that fails, short by exactly one byte. (With several tables on
+    # one device, the size key orders by weight bytes while memory also counts the pooled
+    # output, so a smaller-memory table may be placed first and the shortfall grows by it.)
+    if len(tables) == 1:
         assert err.value.table == biggest.name and err.value.shortfall_bytes == 1
 
 
