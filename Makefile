@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv clean checkpoint neuroshard-eval trust-eval e2e flexshard rl-checkpoints rl-eval rl-ablation rl-bench
+.PHONY: demo test venv clean checkpoint calibrate neuroshard-eval trust-eval e2e flexshard rl-checkpoints rl-eval rl-ablation rl-bench
 
 venv: $(STAMP)
 
@@ -53,6 +53,15 @@ checkpoint: $(STAMP)
 	cat experiments/refine/final/data_card.md > $(CKPT)/data_card.md
 	printf '\n## The refine loop (error on the shards each algorithm proposed, predicted before measuring)\n\n' >> $(CKPT)/data_card.md
 	cat experiments/refine/refine.md >> $(CKPT)/data_card.md
+
+# Calibrate the shipped models to this machine as it measures now (README "Fidelity"): 64 fresh
+# shards and 20 all-to-alls, one scale per model; then score the evaluations' estimates with it.
+calibrate: $(STAMP)
+	$(PY) train.py stage=collect collect=calibrate out_dir=experiments/calibrate
+	$(PY) scripts/calibrate_cost_models.py --checkpoint $(CKPT)/cost_models.pt --data experiments/calibrate \
+		--out experiments/calibrate/cost_models.pt
+	$(PY) scripts/eval_fidelity.py $(UE)/runs/report.json $(NS)/runs/4dev/report.json $(NS)/runs/8dev/report.json \
+		--calibration experiments/calibrate/cost_models.pt
 
 neuroshard-eval: $(STAMP)
 	$(PY) train.py stage=tasks task=neuroshard_cpu $(NS_DATA) out_dir=$(NS)/tasks4

@@ -14,6 +14,11 @@ tasks) and over all of them:
 * how many device shards were outside the models' training envelope.
 
 The aims (issue "Trustworthy learned costs"): compute MAPE <= 5%, τ >= 0.95; plan-cost τ >= 0.9.
+
+`--calibration CKPT`: score the reports' estimates as a calibrated checkpoint
+(`scripts/calibrate_cost_models.py`) would have made them: the models are the same, only
+scaled, so every estimate follows exactly from the report's own (compute × s_c; forward comm:
+the time beyond the wait × s_f plus the wait between the scaled computes; backward × s_b).
 """
 
 from __future__ import annotations
@@ -41,6 +46,18 @@ def distinct_results(report: dict) -> list[dict]:
         seen.add(key)
         out.append(r)
     return out
+
+
+def calibrated(result: dict, scale: dict[str, float]) -> dict:
+    """`result` with its estimates rescaled as a calibrated checkpoint would predict them."""
+    e = result["estimated_device_costs"]
+    c = np.asarray(e["compute_ms"], np.float64)
+    wait = c.max() - c
+    c2 = c * scale["compute"]
+    fw = (np.asarray(e["forward_comm_ms"], np.float64) - wait) * scale["forward_comm"] + (c2.max() - c2)
+    bw = np.asarray(e["backward_comm_ms"], np.float64) * scale["backward_comm"]
+    est = {**e, "compute_ms": c2.tolist(), "forward_comm_ms": fw.tolist(), "backward_comm_ms": bw.tolist()}
+    return {**result, "estimated_device_costs": est, "estimated_cost_ms": float((c2 + fw + bw).max())}
 
 
 def fidelity(results: list[dict]) -> dict:
@@ -84,7 +101,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("reports", nargs="+", help="shard.py report.json files (evaluate=measured, cost_model=neural)")
     ap.add_argument("--by-algorithm", action="store_true", help="also one row per algorithm (over all reports)")
+    ap.add_argument("--calibration", default=None, help="a calibrated cost_models.pt: score its (rescaled) estimates")
     args = ap.parse_args(argv)
+    scale = None
+    if args.calibration:
+        from embshard.costs.neural import NeuralCostModels
+        from embshard.errors import EmbshardError
+
+        try:
+            models = NeuralCostModels.load(args.calibration)
+        except EmbshardError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if not models.calibration:
+            print(f"error: {args.calibration}: not a calibrated checkpoint (no calibration entry)", file=sys.stderr)
+            return 2
+        scale = models.scale
     every: list[dict] = []
     rows = []
     for i, path in enumerate(args.reports):
@@ -100,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         # Tasks of different reports may share a name (4dev/ and 8dev/ of one pool): key them
         # by report too, so a plan-cost τ never mixes two tasks.
         res = [{**r, "task": (i, r["task"])} for r in distinct_results(report)]
+        if scale is not None:
+            res = [calibrated(r, scale) for r in res]
         if not res:
             print(f"error: {p}: no plan with both an estimate and a measurement", file=sys.stderr)
             return 2

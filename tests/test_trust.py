@@ -202,3 +202,86 @@ def test_refine_measures_the_search_shards_scores_them_and_retrains(tmp_path):
     again = refine({"data_dir": str(tmp_path / "base"), "checkpoint": None, "rounds": 1, "stop_ratio": 1.25},
                    cfg, make_tasks, None, None, out)
     assert again["rounds"][0]["samples"] == entry["samples"]
+
+
+# ----------------------------------------------------------------------------- calibration
+def _calibrated_copy(tmp_path, calibration):
+    bundle = torch.load(CHECKPOINT, map_location="cpu", weights_only=True)
+    bundle["calibration"] = calibration
+    path = tmp_path / "calibrated.pt"
+    torch.save(bundle, path)
+    return path
+
+
+def test_calibration_scales_each_model_and_loads_weights_only(tmp_path):
+    from embshard.costs.neural import NeuralCostModels
+
+    base = NeuralCostModels.load(CHECKPOINT)
+    cal = NeuralCostModels.load(_calibrated_copy(tmp_path, {"compute": 0.5, "forward_comm": 0.25, "backward_comm": 2.0}))
+    tables = [Table(f"t{i}", 50_000 * (i + 1), 32, 5.0 + i) for i in range(6)]
+    shards = [tables[:2], tables[2:], []]
+    assert np.allclose(cal.at_batch(8192).compute_ms(shards), 0.5 * base.at_batch(8192).compute_ms(shards))
+    widths, delays = np.array([64.0, 128.0, 32.0]), np.array([0.0, 5.0, 2.0])
+    fw0, bw0 = base.at_batch(8192).comm_ms(widths, delays)
+    fw1, bw1 = cal.at_batch(8192).comm_ms(widths, delays)
+    wait = delays.max() - delays
+    assert np.allclose(bw1, 2.0 * bw0) and np.allclose(fw1 - wait, 0.25 * (fw0 - wait))
+
+
+@pytest.mark.parametrize("bad", [{"compute": -1.0}, {"backward_comm": float("nan")}, {"forward_comm": "fast"}, [1.0]])
+def test_bad_calibration_is_a_one_line_error(tmp_path, bad):
+    from embshard.costs.neural import NeuralCostModels
+    from embshard.errors import InputError
+
+    with pytest.raises(InputError) as e:
+        NeuralCostModels.load(_calibrated_copy(tmp_path, bad))
+    assert "calibration" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fit_calibration_recovers_the_machines_scale():
+    from embshard.costs.neural import CommSample, ComputeSample, NeuralCostModels, fit_calibration
+
+    models = NeuralCostModels.load(CHECKPOINT)
+    rng = np.random.default_rng(0)
+    compute, comm = [], []
+    for i in range(12):  # a machine that runs kernels 0.6x as long as predicted, all-to-alls 0.7x / 1.3x
+        tables = [Table(f"c{i}_{j}", int(rng.integers(1_000, 500_000)), 16, float(rng.uniform(1, 50))) for j in range(3)]
+        compute.append(ComputeSample(tables, 4096, 0.6 * float(models.at_batch(4096).compute_ms([tables])[0])))
+        widths = rng.integers(1, 40, size=4).astype(float) * 16
+        delays = rng.uniform(0, 10, size=4)
+        fw, bw = models.at_batch(4096).comm_ms(widths, delays)
+        wait = delays.max() - delays
+        comm.append(CommSample(widths.tolist(), delays.tolist(), 4096, (0.7 * (fw - wait) + wait).tolist(), (1.3 * bw).tolist()))
+    cal = fit_calibration(models, compute, comm)
+    assert cal["compute"] == pytest.approx(0.6) and cal["forward_comm"] == pytest.approx(0.7)
+    assert cal["backward_comm"] == pytest.approx(1.3) and cal["samples"]["compute"] == 12
+
+
+def test_calibrate_script_writes_a_calibrated_checkpoint_and_fails_cleanly(tmp_path, capsys):
+    import importlib.util
+
+    from embshard.costs.neural import NeuralCostModels
+
+    spec = importlib.util.spec_from_file_location("calibrate_cost_models", ROOT / "scripts" / "calibrate_cost_models.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    models = NeuralCostModels.load(CHECKPOINT)
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = []
+    for i in range(10):  # shards this "machine" runs at 0.5x the models' prediction
+        tables = [Table(f"s{i}_{j}", 10_000 * (i + j + 1), 16 * (j + 1), 4.0 + i) for j in range(2)]
+        ms = 0.5 * float(models.at_batch(4096).compute_ms([tables])[0])
+        lines.append(json.dumps({"kind": "compute", "tables": [t.to_dict() for t in tables], "batch_size": 4096, "median_ms": ms}))
+    (data / "compute.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "calibrated.pt"
+    assert script.main(["--checkpoint", str(CHECKPOINT), "--data", str(data), "--out", str(out)]) == 0
+    calibrated = NeuralCostModels.load(out)
+    assert calibrated.scale["compute"] == pytest.approx(0.5) and calibrated.scale["backward_comm"] == 1.0
+    # calibrating a calibrated checkpoint, or without data: one line, exit 2, nothing written
+    capsys.readouterr()
+    assert script.main(["--checkpoint", str(out), "--data", str(data), "--out", str(tmp_path / "again.pt")]) == 2
+    assert script.main(["--checkpoint", str(CHECKPOINT), "--data", str(tmp_path / "none"), "--out", str(tmp_path / "x.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(e.startswith("error: ") for e in err)
+    assert not (tmp_path / "again.pt").exists() and not (tmp_path / "x.pt").exists()

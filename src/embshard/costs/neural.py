@@ -45,7 +45,14 @@ Checkpoint (`cost_models.pt`, plain data, loads with ``torch.load(weights_only=T
                        "forward_comm" | "backward_comm": {"x_mean": [...], "x_std": [...],
                            "y_mean": float, "y_std": float, "target": "ms" | "log_ms",
                            "feature_names": [...]}},
-     "envelope": {...}, "profile": {...}, "metrics": {...}, "data": {...}}
+     "envelope": {...}, "profile": {...}, "metrics": {...}, "data": {...},
+     "calibration": {"compute": s_c, "forward_comm": s_f, "backward_comm": s_b, ...}}  # optional
+
+`calibration` (optional; `scripts/calibrate_cost_models.py` writes it) rescales the three
+models to the machine as it measures now: compute ms × s_c, forward comm beyond the wait × s_f,
+backward comm × s_b, each the median measured / predicted ratio over a few fresh shards and
+all-to-alls. A machine measured while other jobs shared it is slower by a constant factor; the
+ranking of shards does not change, the absolute ms do.
 """
 
 from __future__ import annotations
@@ -576,6 +583,53 @@ def _np(state: dict[str, torch.Tensor], key: str) -> np.ndarray:
     return state[key].detach().cpu().double().numpy().copy()
 
 
+def _check_calibration(cal: Any, source: str) -> dict[str, Any] | None:
+    """The optional `calibration` entry: positive finite scales for the three models."""
+    if cal is None:
+        return None
+    if not isinstance(cal, dict):
+        raise InputError(f"{source}: calibration must be a mapping, got {type(cal).__name__}")
+    for k in MODEL_KEYS:
+        v = cal.get(k, 1.0)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+            raise InputError(f"{source}: calibration.{k} must be a positive number, got {v!r}")
+    return dict(cal)
+
+
+def fit_calibration(models: "NeuralCostModels", compute: Sequence["ComputeSample"],
+                    comm: Sequence["CommSample"] = ()) -> dict[str, Any]:
+    """Scales that map `models` (their uncalibrated predictions) to fresh measurements: per
+    model, the median of measured / predicted (compute: per shard; forward comm: time beyond
+    the wait, per device; backward comm: per device). A model without samples keeps 1.0."""
+    base = NeuralCostModels.__new__(NeuralCostModels)
+    base.__dict__.update(models.__dict__)
+    base.scale = {k: 1.0 for k in MODEL_KEYS}
+    base._bound = {}
+    out: dict[str, Any] = {k: 1.0 for k in MODEL_KEYS}
+    ratios: dict[str, list[float]] = {k: [] for k in MODEL_KEYS}
+    for s in compute:
+        pred = float(base.at_batch(s.batch_size).compute_ms([s.tables])[0])
+        if pred > 0 and s.ms > 0:
+            ratios["compute"].append(s.ms / pred)
+    for s in comm:
+        if s.num_devices < 2:
+            continue
+        dl = np.asarray(s.delays_ms, np.float64)
+        fw, bw = base.at_batch(s.batch_size).comm_ms(np.asarray(s.widths, np.float64), dl)
+        wait = forward_wait_ms(dl)
+        for p, m, w in zip(fw, s.forward_ms, wait):
+            if p - w > 0 and m - w > 0:
+                ratios["forward_comm"].append((m - w) / (p - w))
+        for p, m in zip(bw, s.backward_ms):
+            if p > 0 and m > 0:
+                ratios["backward_comm"].append(m / p)
+    for k, r in ratios.items():
+        if r:
+            out[k] = float(np.median(r))
+    out["samples"] = {k: len(r) for k, r in ratios.items()}
+    return out
+
+
 class NeuralCostModels:
     """The three pre-trained cost models, loaded for fast inference (numpy).
 
@@ -610,6 +664,7 @@ class NeuralCostModels:
             for k in MODEL_KEYS:  # the torch nets must accept the weights (shapes, names)
                 build_net(k, self.hparams[k]).load_state_dict(states[k], strict=True)
             self.envelope = Envelope.from_dict(bundle["envelope"])
+            self.calibration = _check_calibration(bundle.get("calibration"), source)
         except InputError:
             raise
         except Exception as e:  # KeyError, TypeError, RuntimeError from load_state_dict, ...
@@ -624,6 +679,7 @@ class NeuralCostModels:
         self._ctx_mean, self._ctx_std = _np(c, "ctx_mean"), _np(c, "ctx_std")
         self._ctx_lo, self._ctx_hi = _np(c, "ctx_lo"), _np(c, "ctx_hi")
         self._rate_scale, self._base_ms = _np(c, "rate_scale"), float(_np(c, "base_ms"))
+        self.scale = {k: float((self.calibration or {}).get(k, 1.0)) for k in MODEL_KEYS}
         self._comm_layers = {k: (_linears(states[k], "phi"), _linears(states[k], "rho")) for k in ("forward_comm", "backward_comm")}
         self._bound: dict[int, BatchCostModels] = {}
 
@@ -677,7 +733,8 @@ class NeuralCostModels:
         terms, work = pooled[:, :NUM_RATES], pooled[:, NUM_RATES:]
         lw = np.clip(np.log1p(np.maximum(work, 0.0)), self._ctx_lo, self._ctx_hi)
         h = _mlp((lw - self._ctx_mean) / self._ctx_std, self._context, relu_last=False)
-        return (terms * _bexp(h[:, :-1], CONTEXT_RANGE)).sum(1) + self._base_ms * _bexp(h[:, -1], CONTEXT_RANGE)
+        ms = (terms * _bexp(h[:, :-1], CONTEXT_RANGE)).sum(1) + self._base_ms * _bexp(h[:, -1], CONTEXT_RANGE)
+        return ms * self.scale["compute"]
 
     def _comm_net(self, kind: str, x: np.ndarray) -> np.ndarray:
         phi, rho = self._comm_layers[kind]
@@ -793,8 +850,8 @@ class BatchCostModels:
         m = self.models
         xf = m.norm["forward_comm"].x(comm_features(w, dl, self.batch_size, with_delays=True))
         xb = m.norm["backward_comm"].x(comm_features(w, None, self.batch_size, with_delays=False))
-        fw = m.norm["forward_comm"].to_ms(m._comm_net("forward_comm", xf)) + forward_wait_ms(dl)
-        bw = m.norm["backward_comm"].to_ms(m._comm_net("backward_comm", xb))
+        fw = m.norm["forward_comm"].to_ms(m._comm_net("forward_comm", xf)) * m.scale["forward_comm"] + forward_wait_ms(dl)
+        bw = m.norm["backward_comm"].to_ms(m._comm_net("backward_comm", xb)) * m.scale["backward_comm"]
         return (fw[0], bw[0]) if squeeze else (fw, bw)
 
     def envelope_reasons(self, shards: Sequence[Sequence[Table]]) -> list[list[str]]:
