@@ -11,7 +11,7 @@ Example (about 3 minutes of measuring here; `make calibrate` runs both steps):
     python scripts/calibrate_cost_models.py --checkpoint checkpoints/cpu_fbgemm/cost_models.pt \\
         --data experiments/calibrate --out experiments/calibrate/cost_models.pt
     python shard.py task_file=... searchers.neuroshard.checkpoint=experiments/calibrate/cost_models.pt \\
-        cost_model.checkpoint=experiments/calibrate/cost_models.pt
+        cost_model.path=experiments/calibrate/cost_models.pt
 
 Prints the scales and the error on the calibration samples before and after. Errors are one
 line and exit 2; the output is written atomically.
