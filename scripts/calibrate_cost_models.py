@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from embshard.costs.collect import PROFILE, read_profile
 from embshard.costs.neural import NeuralCostModels, fit_calibration, load_comm_samples, load_compute_samples
 from embshard.costs.pretrain import regression_metrics
 from embshard.errors import EmbshardError, InputError
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         bundle = torch.load(models.source, map_location="cpu", weights_only=True)
         bundle["calibration"] = {**cal, "data": str(data), "checkpoint": str(args.checkpoint),
                                  "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                 "profile": dict(_profile(data))}
+                                 "profile": read_profile(data, require_hardware=False) if (data / PROFILE).is_file() else {}}
         out = Path(args.out)
         with atomic_path(out) as tmp:
             torch.save(bundle, tmp)
@@ -70,16 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     print("scales (measured / predicted): " + ", ".join(f"{k} {cal[k]:.3f} (n={cal['samples'][k]})" for k in models.scale))
     print(f"wrote {out}")
     return 0
-
-
-def _profile(data: Path) -> dict:
-    import json
-
-    p = data / "profile.json"
-    try:
-        return json.loads(p.read_text()) if p.is_file() else {}
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from embshard.costs.base import DeviceCosts
+from embshard.costs.neural import forward_wait_ms
 from embshard.costs.pretrain import per_task_kendall_taus, regression_metrics
 
 
@@ -52,12 +54,12 @@ def calibrated(result: dict, scale: dict[str, float]) -> dict:
     """`result` with its estimates rescaled as a calibrated checkpoint would predict them."""
     e = result["estimated_device_costs"]
     c = np.asarray(e["compute_ms"], np.float64)
-    wait = c.max() - c
     c2 = c * scale["compute"]
-    fw = (np.asarray(e["forward_comm_ms"], np.float64) - wait) * scale["forward_comm"] + (c2.max() - c2)
-    bw = np.asarray(e["backward_comm_ms"], np.float64) * scale["backward_comm"]
-    est = {**e, "compute_ms": c2.tolist(), "forward_comm_ms": fw.tolist(), "backward_comm_ms": bw.tolist()}
-    return {**result, "estimated_device_costs": est, "estimated_cost_ms": float((c2 + fw + bw).max())}
+    fw = (np.asarray(e["forward_comm_ms"], np.float64) - forward_wait_ms(c)) * scale["forward_comm"] + forward_wait_ms(c2)
+    costs = DeviceCosts(compute_ms=c2.tolist(), forward_comm_ms=fw.tolist(),
+                        backward_comm_ms=(np.asarray(e["backward_comm_ms"], np.float64) * scale["backward_comm"]).tolist())
+    est = {**e, "compute_ms": costs.compute_ms, "forward_comm_ms": costs.forward_comm_ms, "backward_comm_ms": costs.backward_comm_ms}
+    return {**result, "estimated_device_costs": est, "estimated_cost_ms": costs.plan_cost_ms}
 
 
 def fidelity(results: list[dict]) -> dict:

@@ -120,17 +120,14 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true", help="print the per-task table as markdown")
     ap.add_argument("--by-devices", action="store_true", help="print the per-device-count table of means and ratios")
     args = ap.parse_args()
-    if args.by_devices:
-        reports = []
-        for path in args.reports:
-            with open(path) as f:
-                reports.append(json.load(f))
-        print(by_devices_table(reports, args.algorithm, args.metric))
-        return
-    rows = []
+    reports = []
     for path in args.reports:
         with open(path) as f:
-            rows += rows_of(json.load(f), args.algorithm, args.metric)
+            reports.append(json.load(f))
+    if args.by_devices:
+        print(by_devices_table(reports, args.algorithm, args.metric))
+        return
+    rows = [row for report in reports for row in rows_of(report, args.algorithm, args.metric)]
     a = args.algorithm
     if args.markdown:
         print(f"| task | devices | {a} (ms) | search pick (ms) | best heuristic (ms) | torchrec (ms) | {a} / best heuristic | "

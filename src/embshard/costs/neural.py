@@ -598,25 +598,24 @@ def _check_calibration(cal: Any, source: str) -> dict[str, Any] | None:
 
 def fit_calibration(models: "NeuralCostModels", compute: Sequence["ComputeSample"],
                     comm: Sequence["CommSample"] = ()) -> dict[str, Any]:
-    """Scales that map `models` (their uncalibrated predictions) to fresh measurements: per
-    model, the median of measured / predicted (compute: per shard; forward comm: time beyond
-    the wait, per device; backward comm: per device). A model without samples keeps 1.0."""
-    base = NeuralCostModels.__new__(NeuralCostModels)
-    base.__dict__.update(models.__dict__)
-    base.scale = {k: 1.0 for k in MODEL_KEYS}
-    base._bound = {}
+    """Scales that map `models` (their uncalibrated predictions: any calibration they carry is
+    divided out) to fresh measurements: per model, the median of measured / predicted (compute:
+    per shard; forward comm: time beyond the wait, per device; backward comm: per device). A
+    model without samples keeps 1.0."""
+    sc = models.scale
     out: dict[str, Any] = {k: 1.0 for k in MODEL_KEYS}
     ratios: dict[str, list[float]] = {k: [] for k in MODEL_KEYS}
     for s in compute:
-        pred = float(base.at_batch(s.batch_size).compute_ms([s.tables])[0])
+        pred = float(models.at_batch(s.batch_size).compute_ms([s.tables])[0]) / sc["compute"]
         if pred > 0 and s.ms > 0:
             ratios["compute"].append(s.ms / pred)
     for s in comm:
         if s.num_devices < 2:
             continue
         dl = np.asarray(s.delays_ms, np.float64)
-        fw, bw = base.at_batch(s.batch_size).comm_ms(np.asarray(s.widths, np.float64), dl)
+        fw, bw = models.at_batch(s.batch_size).comm_ms(np.asarray(s.widths, np.float64), dl)
         wait = forward_wait_ms(dl)
+        fw, bw = (fw - wait) / sc["forward_comm"] + wait, bw / sc["backward_comm"]
         for p, m, w in zip(fw, s.forward_ms, wait):
             if p - w > 0 and m - w > 0:
                 ratios["forward_comm"].append((m - w) / (p - w))
