@@ -14,33 +14,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from embshard.errors import InputError
+from embshard.hardware.compute import torch_threads
 from embshard.plan import Plan, validate
 from embshard.search.rl.checkpoint import load_checkpoint
 from embshard.search.rl.env import best_plan
 from embshard.task import Task
 
 log = logging.getLogger(__name__)
-
-
-@contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Run with `n` intra-op threads (tiny networks: one thread is fastest, and on a shared
-    machine several threads stall each other); None leaves torch's setting alone."""
-    if n is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class RLSharder:

@@ -41,7 +41,7 @@ from embshard.search.rl.buffer import Buffer
 from embshard.search.rl.checkpoint import ALGORITHMS, build_agent, data_card_markdown, save_checkpoint
 from embshard.search.rl.env import MASKS, best_plan
 from embshard.search.rl.features import FeatureNorm
-from embshard.search.rl.sharders import torch_threads
+from embshard.hardware.compute import torch_threads
 from embshard.task import Task, load_tasks
 
 log = logging.getLogger(__name__)
