@@ -54,7 +54,7 @@ checkpoint: $(STAMP)
 	printf '\n## The refine loop (error on the shards each algorithm proposed, predicted before measuring)\n\n' >> $(CKPT)/data_card.md
 	cat experiments/refine/refine.md >> $(CKPT)/data_card.md
 
-# Calibrate the shipped models to this machine as it measures now (README "Fidelity"): 64 fresh
+# Calibrate the shipped models to this machine as it measures now (docs/neuroshard.md, "Fidelity"): 64 fresh
 # shards and 20 all-to-alls, one scale per model; then score the evaluations' estimates with it.
 calibrate: $(STAMP)
 	$(PY) train.py stage=collect collect=calibrate out_dir=experiments/calibrate
@@ -80,7 +80,7 @@ trust-eval: $(STAMP)
 # End to end on this CPU: the embedding-heavy DLRM task (32 tables, 2 devices), its plans
 # measured by shard.py, then the same DLRM trained under each plan with 2 gloo processes,
 # interleaved (throughput.json/.png), and a 300-step training run under NeuroShard's plan
-# (loss curve). About 10 min here. GPU recipe: README, "End-to-end DLRM training".
+# (loss curve). About 10 min here. GPU recipe: docs/e2e.md, "On GPUs".
 E2E := experiments/e2e
 E2E_PLANS := $(E2E)/shard/plans
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node 2
@@ -95,7 +95,7 @@ e2e: $(STAMP)
 	$(TORCHRUN) train.py stage=dlrm experiment=e2e_embedding_heavy dlrm.task_file=$(E2E)/task.json \
 		dlrm.plan=$(E2E_PLANS)/neuroshard.json dlrm.steps=300 out_dir=$(E2E)/train_neuroshard
 
-# DreamShard and AutoShard on this CPU (README "DreamShard and AutoShard"). Policies are trained
+# DreamShard and AutoShard on this CPU (docs/rl.md). Policies are trained
 # on tasks of the train half of the 128-table pool at 4 devices (their plans measured on
 # FBGEMM's CPU kernel + gloo every iteration); evaluation tasks use only test tables, at 2/4/8
 # devices, at table counts outside the training range and without histograms. rl-checkpoints:
@@ -161,7 +161,7 @@ rl-ablation: $(STAMP)
 rl-bench: $(STAMP)
 	$(PY) scripts/bench_rl_planning.py --samples 0,8
 
-# FlexShard on this CPU (README "FlexShard"): for calibrated and item-popularity (Zipf 1.0) sequence
+# FlexShard on this CPU (docs/flexshard.md): for calibrated and item-popularity (Zipf 1.0) sequence
 # traces, the 24-table task on 2 hosts x 8 devices, every baseline and FlexShard replayed on held-out
 # steps (evaluate=traffic), the memory-cap curve, planning time for 856 tables on 128 devices, and the
 # sequence DLRM trained under the plans by 4 gloo processes (2 hosts x 2 devices). About 25 min here.

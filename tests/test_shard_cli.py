@@ -1,4 +1,4 @@
-"""shard.py end to end: the DESIGN.md contract, bad input, and every config composing."""
+"""shard.py end to end: the shard.py contract (docs/usage.md), bad input, and every config composing."""
 
 from __future__ import annotations
 

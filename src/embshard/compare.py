@@ -22,7 +22,7 @@ PICK_SUFFIX = "_pick"
 
 @dataclass
 class Result:
-    """One algorithm on one task: the row report.json holds (DESIGN.md contract)."""
+    """One algorithm on one task: the row report.json holds (docs/usage.md, "Contracts")."""
 
     task: str
     algorithm: str

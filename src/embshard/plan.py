@@ -1,4 +1,4 @@
-"""Shards, plans, the one plan validator, and plan JSON (DESIGN.md, "Contracts").
+"""Shards, plans, the one plan validator, and plan JSON (docs/usage.md, "Contracts").
 
 Row-level plans (FlexShard and its baselines) use two optional additions, both absent from
 older plan JSON, which stays valid and round-trips unchanged:

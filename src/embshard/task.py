@@ -1,6 +1,6 @@
 """A sharding task: tables, devices, memory per device, batch size, optimizer, topology.
 
-This module is the one place that knows the task JSON schema (DESIGN.md, "Contracts").
+This module is the one place that knows the task JSON schema (docs/usage.md, "Contracts").
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class DeviceCosts:
 
     @property
     def plan_cost_ms(self) -> float:
-        """Max over devices of compute + forward comm + backward comm (DESIGN.md)."""
+        """Max over devices of compute + forward comm + backward comm (docs/usage.md, "Contracts")."""
         return max(self.total_ms)
 
     def headroom(self) -> dict[str, float]:

@@ -6,7 +6,7 @@ Modules, read in this order:
 * `features`: per-table inputs (the cost models' `table_features` at the task's batch, plus
   log2 batch), z-scored with statistics of the TRAIN pool saved in the checkpoint.
 * `losses`: masked categorical, REINFORCE with normalised rewards and an entropy bonus, V-trace
-  (plain torch; README "DreamShard and AutoShard" says why not TorchRL).
+  (plain torch; docs/rl.md says why not TorchRL).
 * `nets`: DreamShard's cost network and policy, AutoShard's shared encoder, cost model,
   LSTM policy and value head. Every network scores one device at a time with shared
   weights, so any number of tables and devices works.
