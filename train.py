@@ -159,7 +159,7 @@ def run_refine(cfg: DictConfig, out_dir: Path) -> None:
         return {a: instantiate(cfg.searchers[a], **({"checkpoint": str(checkpoint), "verify": 0}
                                                      if a == "neuroshard" else {})) for a in r.algorithms}
 
-    evaluator = instantiate(cfg.hardware, **OmegaConf.to_container(r.measure, resolve=True))
+    evaluator = instantiate(cfg.hardware)
     summary = refine(OmegaConf.to_container(r, resolve=True), cfg.cost_model, make_tasks, make_sharders, evaluator,
                      out_dir)
     log.info("refine: %d round(s), converged=%s, final models %s", len(summary["rounds"]), summary["converged"],

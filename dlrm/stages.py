@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -213,8 +213,8 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
     """stage=throughput: interleaved rounds over several plans; returns the best samples/s."""
     from dlrm.data import materialize
     from dlrm.runner import interleaved_throughput
-    from embshard.costs.pretrain import kendall_tau_b
     from dlrm.stats import format_summary, plot_throughput, summarize_throughput
+    from embshard.stats import kendall_tau_b
 
     d = cfg.dlrm
     specs = list(d.plans) if not isinstance(d.plans, str) else d.plans.split(",")

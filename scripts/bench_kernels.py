@@ -17,6 +17,7 @@ import numpy as np
 
 from embshard.hardware.backends import ShardInput, available_backends
 from embshard.hardware.compute import measure_compute
+from embshard.hardware.protocol import MeasurementProtocol
 from embshard.plan import Shard
 from embshard.tables import Table
 
@@ -53,8 +54,9 @@ def main() -> None:
         for b in (int(x) for x in args.batch_sizes.split(",")):
             reps = args.repetitions if b <= 8192 else max(3, args.repetitions // 2)
             t0 = time.perf_counter()
-            [t] = measure_compute([shards], b, backend=backend, device=args.device, warmups=args.warmups,
-                                  repetitions=reps, rounds=1, seed=args.seed, num_threads=args.threads)
+            protocol = MeasurementProtocol(warmups=args.warmups, repetitions=reps, visits=1, threads=args.threads,
+                                           timer="auto" if args.threads == 1 else "wall", probe=False)
+            [t] = measure_compute([shards], b, backend=backend, device=args.device, protocol=protocol, seed=args.seed)
             wall = time.perf_counter() - t0
             print(f"{backend:7s} batch {b:6d}: step {t.median_ms:9.1f} ms  (IQR {t.spread_ms:.1f}, "
                   f"n={len(t.samples_ms)}, wall {wall:.1f} s incl. build + index generation)", flush=True)

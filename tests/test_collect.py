@@ -27,10 +27,10 @@ def tiny(**over):
         "batch_size": 64,
         "progress": False,
         "holdout": {"fraction": 0.25, "sample_share": 0.3, "seed": 1},
-        "compute": {"num_samples": 12, "chunk_size": 4, "max_tables": 5, "max_bytes": 1 << 20,
-                    "warmups": 1, "repetitions": 2, "rounds": 1},
-        "comm": {"num_samples": 4, "chunk_size": 2, "min_devices": 2, "max_devices": 3,
-                 "max_delay_ms": 1.0, "warmups": 1, "repetitions": 2},
+        "measure": {"warmups": 1, "repetitions": 2, "visits": 1, "comm_warmups": 1, "comm_repetitions": 2,
+                    "probe": False},
+        "compute": {"num_samples": 12, "chunk_size": 4, "max_tables": 5, "max_bytes": 1 << 20},
+        "comm": {"num_samples": 4, "chunk_size": 2, "min_devices": 2, "max_devices": 3, "max_delay_ms": 1.0},
     }
     for k, v in over.items():
         if isinstance(v, dict):
@@ -45,7 +45,7 @@ def fake_comm(monkeypatch):
     """measure_comm without processes: widths-dependent fake timings (fast, deterministic)."""
     calls = []
 
-    def fake(configs, batch_size, warmups=2, repetitions=10, backend="gloo", timeout_s=None, progress=False):
+    def fake(configs, batch_size, protocol=None, backend="gloo", timeout_s=None, progress=False):
         calls.append(len(configs[0].widths))
         out = []
         for c in configs:

@@ -14,9 +14,9 @@ from embshard.errors import InputError, PlanError
 from embshard.hardware import compute as compute_mod
 from embshard.hardware.backends import ShardInput, available_backends, make_kernel, shard_batch
 from embshard.hardware.comm import CommConfig, batch_split, measure_comm
-from embshard.hardware.compute import measure_compute, split_repetitions
+from embshard.hardware.compute import measure_compute
 from embshard.hardware.evaluator import HardwareEvaluator
-from embshard.hardware.timing import Timing, measure
+from embshard.hardware.protocol import MeasurementProtocol, Timing
 from embshard.plan import Plan, Shard
 from embshard.tables import Table
 from embshard.task import Task
@@ -53,16 +53,13 @@ def test_timing_median_and_iqr():
     assert Timing.of([]).median_ms == 0.0
 
 
-def test_measure_feeds_fresh_inputs_and_skips_warmups():
-    seen = []
-    t = measure(lambda i: seen.append(i), warmups=2, repetitions=3)
-    assert seen == [-2, -1, 0, 1, 2]
-    assert len(t.samples_ms) == 3
+def proto(warmups: int = 1, repetitions: int = 2, visits: int = 1, **kw) -> MeasurementProtocol:
+    """A short protocol for tests (no probe)."""
+    return MeasurementProtocol(warmups=warmups, repetitions=repetitions, visits=visits, comm_warmups=1,
+                               comm_repetitions=kw.pop("comm_repetitions", repetitions), probe=False, **kw)
 
 
-def test_split_repetitions():
-    assert split_repetitions(10, 3) == [4, 3, 3]
-    assert split_repetitions(2, 5) == [1, 1]
+def test_batch_split():
     assert batch_split(10, 3) == [4, 3, 3]
 
 
@@ -118,7 +115,7 @@ def test_tiny_two_device_plan_has_positive_finite_costs(backend):
         Shard("t1", 0, 0, 16, 0, 500), Shard("t1", 1, 0, 16, 500, 1500),
         Shard.whole(task.tables[2], 1), Shard.whole(task.tables[3], 1),
     ]
-    ev = HardwareEvaluator(backend=backend, comm_backend=None, warmups=1, repetitions=3)
+    ev = HardwareEvaluator(backend=backend, comm_backend=None, protocol=proto(1, 3))
     c = ev.device_costs(task, Plan(task.name, "mixed", shards))
     assert isinstance(c, DeviceCosts)
     assert len(c.compute_ms) == 2 and finite_positive(c.compute_ms)
@@ -131,14 +128,14 @@ def test_tiny_two_device_plan_has_positive_finite_costs(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_device_with_twenty_tables_costs_more_than_one_with_one(backend):
     task = make_task(n_tables=21, rows=20000, dim=32, pooling=20.0, batch=512)
-    ev = HardwareEvaluator(backend=backend, comm_backend=None, warmups=2, repetitions=5)
+    ev = HardwareEvaluator(backend=backend, comm_backend=None, protocol=proto(2, 5))
     c = ev.device_costs(task, all_on(task, 0))  # 20 tables on device 0, 1 on device 1
     assert c.compute_ms[0] > 3 * c.compute_ms[1], c.compute_ms
 
 
 def test_empty_device_costs_zero_compute():
     task = make_task(n_tables=2, devices=3)
-    c = HardwareEvaluator(backend="torch", comm_backend=None, warmups=0, repetitions=2).device_costs(
+    c = HardwareEvaluator(backend="torch", comm_backend=None, protocol=proto(0, 2)).device_costs(
         task, round_robin(task))
     assert c.compute_ms[2] == 0.0 and c.compute_ms[0] > 0
 
@@ -155,17 +152,16 @@ def test_measure_many_interleaves_plans(monkeypatch):
     monkeypatch.setattr(compute_mod, "make_kernel", spy)
     task = make_task(n_tables=4)
     a, b = round_robin(task, "a"), all_on(task, 0, "b")
-    ev = HardwareEvaluator(backend="torch", comm_backend=None, warmups=0, repetitions=4, rounds=2)
+    ev = HardwareEvaluator(backend="torch", comm_backend=None, protocol=proto(0, 2, visits=2))
     out = ev.measure_many(task, [a, b])
     assert len(out) == 2 and all(isinstance(c, DeviceCosts) for c in out)
     a0, a1, b0, b1 = ("t0", "t2"), ("t1", "t3"), ("t0", "t1", "t2"), ("t3",)
     # kernels are cached between rounds, so rebuilds show only the first round...
     assert visits == [a0, a1, b0, b1]
     visits.clear()
-    monkeypatch.setattr(compute_mod, "split_repetitions", lambda reps, rounds: [1, 1])
     # ...and with no room to cache, every round rebuilds in A B order
     sets = [[ShardInput(task.table(n), Shard.whole(task.table(n), 0)) for n in s] for s in (a0, b0)]
-    measure_compute(sets, 64, backend="torch", warmups=0, repetitions=2, rounds=2, max_cached_bytes=0)
+    measure_compute(sets, 64, backend="torch", protocol=proto(0, 1, visits=2), max_cached_bytes=0)
     assert visits == [a0, b0, a0, b0]
 
 
@@ -183,10 +179,10 @@ def test_evaluator_and_analytic_are_cost_models():
 
 # ---------------------------------------------------------------------------- communication
 def test_one_rank_has_zero_comm_without_spawning():
-    [r] = measure_comm([([64], [0.0])], batch_size=1024, repetitions=3)
+    [r] = measure_comm([([64], [0.0])], batch_size=1024, protocol=proto(1, 3))
     assert r.forward_ms == [0.0] and r.backward_ms == [0.0]
     task = make_task(devices=1)
-    c = HardwareEvaluator(backend="torch", comm_backend="gloo", warmups=0, repetitions=2).device_costs(
+    c = HardwareEvaluator(backend="torch", comm_backend="gloo", protocol=proto(0, 2)).device_costs(
         task, round_robin(task))
     assert c.forward_comm_ms == [0.0] and c.backward_comm_ms == [0.0] and c.compute_ms[0] > 0
 
@@ -202,7 +198,7 @@ def test_comm_config_validates():
 def test_all_to_all_between_two_processes_includes_waiting_for_the_slow_rank():
     delayed, plain, wide = measure_comm(
         [([64, 64], [0.0, 50.0]), ([64, 64], [0.0, 0.0]), ([512, 64], [0.0, 0.0])],
-        batch_size=2048, warmups=1, repetitions=5,
+        batch_size=2048, protocol=proto(1, 5),
     )
     for r in (delayed, plain, wide):
         assert len(r.forward_ms) == len(r.backward_ms) == 2
@@ -218,14 +214,15 @@ def test_all_to_all_between_two_processes_includes_waiting_for_the_slow_rank():
 @pytest.mark.slow
 def test_comm_worker_errors_propagate_instead_of_hanging():
     with pytest.raises(RuntimeError, match="rank"):
-        measure_comm([([8, 8], [0.0, 0.0])], batch_size=64, repetitions=1, backend="no-such-backend", timeout_s=60)
+        measure_comm([([8, 8], [0.0, 0.0])], batch_size=64, protocol=proto(1, 1), backend="no-such-backend",
+                     timeout_s=60)
 
 
 @pytest.mark.slow
 def test_measure_many_with_comm_includes_compute_imbalance():
     task = make_task(n_tables=13, rows=20000, dim=32, pooling=20.0, batch=1024)
     lopsided, balanced = all_on(task, 0, "lopsided"), round_robin(task, "balanced")
-    ev = HardwareEvaluator(backend="torch", comm_backend="gloo", warmups=1, repetitions=4)
+    ev = HardwareEvaluator(backend="torch", comm_backend="gloo", protocol=proto(1, 4))
     out = ev.measure_many(task, [lopsided, balanced])
     assert len(out) == 2
     for c in out:

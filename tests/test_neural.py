@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +12,17 @@ import torch
 
 from embshard.costs import neural as N
 from embshard.costs.base import CostModel
-from embshard.costs.pretrain import (kendall_tau_b, pretrain, regression_metrics, split_comm, split_compute, split_tables,
-                                     split_tables_honouring)
+from embshard.costs.pretrain import (
+    pretrain,
+    regression_metrics,
+    split_comm,
+    split_compute,
+    split_tables,
+    split_tables_honouring,
+)
 from embshard.errors import InputError
 from embshard.plan import Plan, Shard
+from embshard.stats import kendall_tau_b
 from embshard.tables import Table
 from embshard.task import Task
 

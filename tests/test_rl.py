@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from embshard import InfeasibleError, InputError, Table, Task, validate
 from embshard.hardware.evaluator import HardwareEvaluator
+from embshard.hardware.protocol import MeasurementProtocol
 from embshard.search.baselines import GreedySharder, RandomSharder
 from embshard.search.rl.checkpoint import load_checkpoint, save_checkpoint
 from embshard.search.rl.env import best_plan, rollout
@@ -54,7 +55,7 @@ def tiny_tasks(seed: int, count: int, num_devices: int, prefix: str) -> list[Tas
 
 def rl_config(algorithm: str, *overrides: str) -> dict:
     """The real conf/rl/<algorithm>.yaml, composed through train.yaml, with a tiny loop."""
-    tiny = ["rl.iterations=3", "rl.measure_tasks=2", "rl.measure_plans_per_task=3", "rl.measure_rounds=1",
+    tiny = ["rl.iterations=3", "rl.measure_tasks=2", "rl.measure_plans_per_task=3", 
             "rl.cost_steps=60", "rl.policy_steps=8", "rl.wandb=false", "progress=false"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["stage=rl", f"rl={algorithm}", *tiny, *overrides])
@@ -65,13 +66,13 @@ def rl_config(algorithm: str, *overrides: str) -> dict:
 def trained(tmp_path_factory):
     """Both algorithms trained on tiny 2-device tasks; checkpoints written."""
     torch.set_num_threads(1)
-    evaluator = HardwareEvaluator(comm_backend=None, warmups=1, repetitions=2, seed=0)
+    evaluator = HardwareEvaluator(comm_backend=None, protocol=MeasurementProtocol(repetitions=2, visits=1, probe=False), seed=0)
     tasks = tiny_tasks(0, 8, 2, "train")
     out = {}
     for algorithm in SHARDERS:
         c = rl_config(algorithm)
         d = tmp_path_factory.mktemp(algorithm)
-        agent, module, timing = train_agent(c, tasks, d, lambda task, plans: evaluator.measure_many(task, plans, rounds=1))
+        agent, module, timing = train_agent(c, tasks, d, lambda task, plans: evaluator.measure_many(task, plans, visits=1))
         path = d / "policy.pt"
         card = {"measurements": module.measurements, "train_tables": sorted({t.name for k in tasks for t in k.tables})}
         save_checkpoint(path, agent, c["nets"][algorithm], switches_of(c), card, {"history": module.history})

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["dataset.num_tables=24", "dataset.batch_size=256", "rl.tasks.num_train_tasks=4", "rl.tasks.num_val_tasks=1",
         "rl.tasks.min_tables=5", "rl.tasks.max_tables=8", "rl.tasks.num_devices=2", "rl.tasks.batch_size=256",
         "rl.tasks.max_total_bytes=null", "rl.iterations=1", "rl.measure_tasks=1", "rl.measure_plans_per_task=2",
-        "rl.measure_rounds=1", "rl.cost_steps=10", "rl.policy_steps=2", "rl.hardware.comm_backend=null",
-        "rl.hardware.warmups=1", "rl.hardware.repetitions=2", "rl.validate.measure=false", "progress=false",
+        "measure=quick", "rl.cost_steps=10", "rl.policy_steps=2", "rl.hardware.comm_backend=null",
+        "rl.validate.measure=false", "progress=false",
         "rl.cost_data=null"]  # experiment=rl_cpu warm-starts from `make checkpoint` data a clean clone lacks
 
 

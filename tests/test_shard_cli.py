@@ -120,7 +120,7 @@ def test_measured_run_on_real_kernels_with_chart_guard_and_headroom(tmp_path):
     task = small_task(tmp_path / "task.json", tables=6)
     out = tmp_path / "out"
     proc = run_shard(f"task_file={tmp_path / 'task.json'}", "algorithms=[size_greedy,lookup_greedy,neuroshard]",
-                     "evaluate=measured", "rounds=2", "hardware.repetitions=3", "hardware.warmups=1",
+                     "evaluate=measured", "rounds=2", "measure=quick", "measure.repetitions=3",
                      "searchers.neuroshard.verify=2", "searchers.neuroshard.verify_heuristics=[size_greedy]",
                      "searchers.neuroshard.verify_rounds=1", f"out_dir={out}")
     assert proc.returncode == 0, proc.stderr

@@ -16,6 +16,7 @@ from embshard.costs.features import imputed_histogram, planning_view, table_feat
 from embshard.data.indices import batch_indices
 from embshard.data.synthetic import histogram_distances
 from embshard.hardware.evaluator import HardwareEvaluator
+from embshard.hardware.protocol import MeasurementProtocol
 from embshard.plan import Plan, PlanWarning, Shard, normalize, pieces_sharing_a_device
 from embshard.search.neuroshard import ROOT, NeuroShardSharder
 from embshard.search.simulator import AnalyticPredictor
@@ -127,7 +128,7 @@ class PileUpModel(AnalyticPredictor):
 def test_guard_returns_the_measured_best_plan():
     tables = [Table(f"t{i}", 2000, 16, 20.0) for i in range(8)]
     task = make_task(tables, 2, slack=3.0, batch_size=512)
-    evaluator = HardwareEvaluator(comm_backend=None, warmups=1, repetitions=3, seed=0)
+    evaluator = HardwareEvaluator(comm_backend=None, protocol=MeasurementProtocol(repetitions=3, visits=1, probe=False), seed=0)
     s = NeuroShardSharder(predictor=PileUpModel(batch_size=512), caps=[100.0], column_wise=False, row_wise=False,
                           verify=2, verify_heuristics=["size_greedy", "lookup_greedy"], verify_rounds=2)
     s.attach_evaluator(evaluator)
@@ -184,7 +185,7 @@ def test_refine_measures_the_search_shards_scores_them_and_retrains(tmp_path):
         return {"neuroshard": NeuroShardSharder(checkpoint=str(ckpt), verify=0, beam_steps=2, candidates=3),
                 "size_greedy": GreedySharder("size")}
 
-    evaluator = HardwareEvaluator(comm_backend=None, warmups=1, repetitions=2, seed=0)
+    evaluator = HardwareEvaluator(comm_backend=None, protocol=MeasurementProtocol(repetitions=2, visits=1, probe=False), seed=0)
     summary = refine({"data_dir": str(tmp_path / "base"), "checkpoint": None, "rounds": 1, "stop_ratio": 1.25},
                      cfg, make_tasks, make_sharders, evaluator, tmp_path / "out")
     out = tmp_path / "out"

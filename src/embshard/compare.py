@@ -114,7 +114,7 @@ def evaluate_task(
     mode: str,
     cost_model: CostModel | None = None,
     evaluator: Any = None,
-    rounds: int = 5,
+    rounds: int | None = None,
 ) -> None:
     """Fill in estimated and/or measured costs of the valid results in place.
 
@@ -143,6 +143,6 @@ def evaluate_task(
         for i, r in enumerate(valid):
             first.setdefault(r.plan.signature(), i)
         unique = sorted(set(first.values()))
-        costs = dict(zip(unique, evaluator.measure_many(task, [valid[i].plan for i in unique], rounds=rounds)))
+        costs = dict(zip(unique, evaluator.measure_many(task, [valid[i].plan for i in unique], visits=rounds)))
         for r in valid:
             r.measured = costs[first[r.plan.signature()]]

@@ -166,9 +166,7 @@ class AnalyticCostModel:
         num_devices: int = 2,
         comm: bool = True,
         seed: int = 0,
-        warmups: int = 2,
-        repetitions: int = 5,
-        num_threads: int | None = 1,
+        protocol: Any = None,
     ) -> "AnalyticCostModel":
         """Measure `num_sets` random shard sets (and a few all-to-alls) here and calibrate."""
         from embshard.hardware.backends import ShardInput
@@ -183,7 +181,7 @@ class AnalyticCostModel:
             sets.append([(tables[i], Shard.whole(tables[i], 0)) for i in pick])
         timings = measure_compute(
             [[ShardInput(t, s) for t, s in ss] for ss in sets], batch_size, backend=backend,
-            warmups=warmups, repetitions=repetitions, seed=seed, num_threads=num_threads,
+            protocol=protocol, seed=seed,
         )
         compute_samples = [(ss, batch_size, t.median_ms) for ss, t in zip(sets, timings)]
         comm_samples = []
@@ -191,7 +189,7 @@ class AnalyticCostModel:
             configs = [[int(w) for w in rng.integers(0, 8 * max(t.dim for t in tables) + 1, size=num_devices)]
                        for _ in range(4)]
             for widths, r in zip(configs, measure_comm([(w, None) for w in configs], batch_size,
-                                                       warmups=warmups, repetitions=repetitions)):
+                                                       protocol=protocol)):
                 comm_samples.append((widths, batch_size, r.backward_ms))
         return cls.calibrate(compute_samples, comm_samples)
 

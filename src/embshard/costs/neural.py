@@ -367,6 +367,8 @@ class ComputeSample:
     origin: str = "random"
     #: pieces whose reuse histogram was imputed (`features.imputed_histogram`), not measured
     imputed_histograms: int = 0
+    #: the speed probe of the session that measured it (the collection's probes/ folder)
+    probe: str | None = None
 
 
 @dataclass
@@ -376,6 +378,7 @@ class CommSample:
     batch_size: int
     forward_ms: list[float]
     backward_ms: list[float]
+    probe: str | None = None
 
     @property
     def num_devices(self) -> int:
@@ -421,7 +424,7 @@ def load_compute_samples(path: str | os.PathLike) -> list[ComputeSample]:
         split = obj.get("split")
         imputed = sum(1 for t in obj["tables"] if t.get("histogram_imputed") or t.get("reuse_histogram") is None)
         samples.append(ComputeSample(tables, batch, ms, str(split) if split is not None else None,
-                                     str(obj.get("origin", "random")), imputed))
+                                     str(obj.get("origin", "random")), imputed, _probe_id(obj, where)))
     if not samples:
         raise InputError(f"{path}: no compute samples")
     return samples
@@ -447,10 +450,57 @@ def load_comm_samples(path: str | os.PathLike) -> list[CommSample]:
         vals = delays + fw + bw
         if batch <= 0 or any(w < 0 for w in widths) or any(not math.isfinite(v) or v < 0 for v in vals):
             raise InputError(f"{where}: comm sample has a negative or non-finite value")
-        samples.append(CommSample(widths, delays, batch, fw, bw))
+        samples.append(CommSample(widths, delays, batch, fw, bw, _probe_id(obj, where)))
     if not samples:
         raise InputError(f"{path}: no comm samples")
     return samples
+
+
+def _probe_id(obj: dict[str, Any], where: str) -> str | None:
+    p = obj.get("probe")
+    if p is not None and not isinstance(p, str):
+        raise InputError(f"{where}: 'probe' must be a probe id (a string), got {p!r}")
+    return p
+
+
+def normalize_to_probe(compute: Sequence[ComputeSample], comm: Sequence[CommSample],
+                       probes: dict[str, Any]) -> dict[str, Any] | None:
+    """Put every sample's labels on one machine speed, in place: the reference is the median
+    of the probes the samples name (`hardware.probe.median_probe`); a sample measured beside a
+    probe that ran s× slower than the reference has its compute ms divided by s, its backward
+    comm and its forward comm beyond the wait by the comm ratio (the wait is a sleep, the same
+    on any machine). Returns what was done (None when no sample names a probe).
+
+    Raises:
+        InputError: some samples name a probe and others do not, or a named probe is missing.
+    """
+    from embshard.hardware.probe import median_probe
+
+    named = [s.probe for s in [*compute, *comm]]
+    if all(p is None for p in named):
+        return None
+    missing = sum(p is None for p in named)
+    if missing:
+        raise InputError(f"{missing} of {len(named)} cost samples name no speed probe (measured without the "
+                         "protocol's probe): re-measure them, or drop them from the data folder")
+    unknown = sorted({p for p in named if p not in probes})
+    if unknown:
+        raise InputError(f"cost samples name probe(s) the data folder's probes/ lacks: {unknown[:3]}")
+    used = sorted(set(named))
+    reference = median_probe([probes[p] for p in used])
+    speed = {p: probes[p].speed_vs(reference) for p in used}
+    for s in compute:
+        s.ms /= speed[s.probe]["compute"]
+    for s in comm:
+        wait = forward_wait_ms(s.delays_ms)
+        f, b = speed[s.probe]["forward_comm"], speed[s.probe]["backward_comm"]
+        s.forward_ms = [float(w + (x - w) / f) if x > w else float(x) for x, w in zip(s.forward_ms, wait)]
+        s.backward_ms = [float(x / b) for x in s.backward_ms]
+    ratios = [v["compute"] for v in speed.values()]
+    return {"reference": reference.to_dict(), "probes": len(used),
+            "compute_speed_range": [float(min(ratios)), float(max(ratios))],
+            "comm_speed_range": [float(min(v["forward_comm"] for v in speed.values())),
+                                 float(max(v["forward_comm"] for v in speed.values()))]}
 
 
 def most_common_batch(batches: Iterable[int]) -> int:
@@ -664,6 +714,9 @@ class NeuralCostModels:
                 build_net(k, self.hparams[k]).load_state_dict(states[k], strict=True)
             self.envelope = Envelope.from_dict(bundle["envelope"])
             self.calibration = _check_calibration(bundle.get("calibration"), source)
+            from embshard.hardware.probe import Probe
+
+            self.probe = Probe.from_dict(bundle["probe"], source=f"{source}: probe") if bundle.get("probe") else None
         except InputError:
             raise
         except Exception as e:  # KeyError, TypeError, RuntimeError from load_state_dict, ...
@@ -679,8 +732,30 @@ class NeuralCostModels:
         self._ctx_lo, self._ctx_hi = _np(c, "ctx_lo"), _np(c, "ctx_hi")
         self._rate_scale, self._base_ms = _np(c, "rate_scale"), float(_np(c, "base_ms"))
         self.scale = {k: float((self.calibration or {}).get(k, 1.0)) for k in MODEL_KEYS}
+        #: what `rescale_to` did (report.json's `rescale`): None until it is called
+        self.rescale: dict[str, Any] | None = None
+        from embshard.hardware.probe import current_probe
+
+        if current_probe() is not None:
+            self.rescale_to(current_probe())
         self._comm_layers = {k: (_linears(states[k], "phi"), _linears(states[k], "rho")) for k in ("forward_comm", "backward_comm")}
         self._bound: dict[int, BatchCostModels] = {}
+
+    def rescale_to(self, probe: Any) -> dict[str, Any]:
+        """Carry the models to the machine `probe` was timed on: each model's predictions
+        scaled by how much slower that machine runs the probe than the machine whose probe
+        the checkpoint records (per model: compute from the kernels, comm from the
+        all-to-all), on top of any calibration. Without a recorded probe nothing changes and
+        the summary says why. Returns the summary (also kept in `self.rescale`)."""
+        from embshard.hardware.probe import rescale_summary
+
+        summary = rescale_summary(self.probe, probe)
+        if summary["applied"]:
+            base = {k: float((self.calibration or {}).get(k, 1.0)) for k in MODEL_KEYS}
+            self.scale = {k: base[k] * float(summary["scales"][k]) for k in MODEL_KEYS}
+        summary["checkpoint"] = self.source
+        self.rescale = summary
+        return summary
 
     # ------------------------------------------------------------------ loading
     @classmethod

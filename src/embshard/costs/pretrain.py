@@ -24,16 +24,15 @@ serves device counts it never saw.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import platform
 import time
 import warnings
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
-from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -41,9 +40,11 @@ import torch
 
 from embshard.costs import neural as N
 from embshard.costs.collect import read_profile
+from embshard.costs.collect.profile import read_probes
 from embshard.costs.envelope import Envelope
 from embshard.errors import InputError
 from embshard.io import atomic_path, write_json_atomic, write_text_atomic
+from embshard.stats import kendall_tau_b
 
 log = logging.getLogger(__name__)
 
@@ -75,28 +76,6 @@ DEFAULTS: dict[str, Any] = {
 # ---------------------------------------------------------------------------------------
 # Metrics
 # ---------------------------------------------------------------------------------------
-def kendall_tau_b(x: np.ndarray, y: np.ndarray, chunk: int = 2048) -> float:
-    """Kendall's τ-b (ties corrected), numpy only, O(n²) in chunks."""
-    x = np.asarray(x, np.float64).ravel()
-    y = np.asarray(y, np.float64).ravel()
-    n = len(x)
-    if n < 2:
-        return float("nan")
-    s = tx = ty = 0.0
-    for i in range(0, n, chunk):
-        dx = np.sign(x[i : i + chunk, None] - x[None, :])
-        dy = np.sign(y[i : i + chunk, None] - y[None, :])
-        s += float((dx * dy).sum())
-        tx += float((dx == 0).sum())
-        ty += float((dy == 0).sum())
-    # over ordered pairs i != j: the diagonal adds n ties to each count
-    n0 = n * (n - 1) / 2
-    n1 = (tx - n) / 2
-    n2 = (ty - n) / 2
-    denom = math.sqrt((n0 - n1) * (n0 - n2))
-    return float(s / 2 / denom) if denom > 0 else float("nan")
-
-
 def per_task_kendall_taus(rows: Sequence[Mapping[str, Any]], measured: str, predicted: str) -> list[float]:
     """Kendall tau-b of predicted vs measured plan cost within each task (rows keyed by "task").
 
@@ -345,6 +324,12 @@ def _pretrain(c: dict[str, Any], data_dir: Path, out_dir: Path) -> float:
     profile = read_profile(data_dir, require_hardware=False)
     compute_samples = N.load_compute_samples(data_dir / "compute.jsonl")
     comm_samples = N.load_comm_samples(data_dir / "comm.jsonl")
+    # every session's labels on one machine speed (the median of the sessions' probes)
+    probe_norm = N.normalize_to_probe(compute_samples, comm_samples, read_probes(data_dir))
+    if probe_norm is not None:
+        profile = {**profile, "probe_normalisation": probe_norm}
+        log.info("labels of %d measuring session(s) put on one speed (compute x %.3f..%.3f)", probe_norm["probes"],
+                 *probe_norm["compute_speed_range"])
     seed = int(c["seed"])
 
     # ---- splits
@@ -444,6 +429,10 @@ def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, tab
         "host": platform.node(),
     }
     bundle.update({"profile": profile, "metrics": metrics, "data": data, "envelope": envelope.to_dict()})
+    norm = profile.get("probe_normalisation")
+    if norm is not None:
+        # the machine speed the labels are on: a session elsewhere rescales to its own probe
+        bundle["probe"] = norm["reference"]
     objective = _objective(metrics, str(c["objective"]))
     metrics["objective"] = {"name": c["objective"], "value": objective}
 
@@ -582,6 +571,7 @@ def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, 
         f"device counts in the data: {data['comm_num_devices']}\n"
         f"- where the compute shards came from: {data['origins']} (random: the collector's draws; an algorithm's "
         "name: device shards of its plans, measured by the refine stage)\n\n"
+        + _probe_card(profile.get("probe_normalisation"))
         + envelope_card(envelope) +
         "## Held-out accuracy (ms)\n\n"
         "| model | n | RMSE (ms) | MAPE (%) | R² | Kendall τ |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
@@ -592,6 +582,23 @@ def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, 
         f"- these models: `python train.py stage=pretrain data_dir={data['source']} out_dir=<this folder>`\n"
         "- the shipped CPU checkpoint end to end: `make checkpoint`\n"
     )
+
+
+def _probe_card(norm: dict[str, Any] | None) -> str:
+    if not norm:
+        return ("## Machine speed\n\nThe cost data names no speed probe: the checkpoint records none and is never "
+                "rescaled to the machine it is used on.\n\n")
+    ref = norm["reference"]
+    kernels = ", ".join(f"{k} {v:.3f} ms" for k, v in ref["compute_ms"].items())
+    comm = f"{ref['comm_ms']:.3f} ms" if ref.get("comm_ms") else "none"
+    lo, hi = norm["compute_speed_range"]
+    clo, chi = norm["comm_speed_range"]
+    return ("## Machine speed\n\n"
+            f"Labels of {norm['probes']} measuring session(s) are put on the speed of the median probe "
+            f"(timed {ref['created']} on `{ref['host']}`, protocol {ref['protocol']}): kernels {kernels}; "
+            f"all-to-all {comm}. The sessions ran {lo:.3f}-{hi:.3f}x as long as it (compute) and "
+            f"{clo:.3f}-{chi:.3f}x (comm). The checkpoint records this probe; a measuring session elsewhere "
+            "rescales the predictions to its own probe (report.json, `rescale`).\n\n")
 
 
 def envelope_card(env: Envelope) -> str:

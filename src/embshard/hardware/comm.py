@@ -11,7 +11,11 @@ comm time runs from its entry until the all-to-all returns, so a fast rank's tim
 waiting for the slowest. The backward all-to-all starts from a barrier.
 
 One process group is spawned for a whole batch of configurations; all of them are measured
-inside, interleaved per repetition (A B C A B C ...), so machine drift hits all alike.
+inside, interleaved per repetition (A B C A B C ...), so machine drift hits all alike. The
+ranks follow the measurement protocol (`hardware.protocol`): rank r pinned to core r mod n of
+the cores the caller was allowed, one thread, the caching allocator, the protocol's comm
+warm-ups and repetitions; the timer is the wall clock (an all-to-all's cost is waiting and
+moving bytes, not one thread's CPU time).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from embshard.hardware.timing import Timing
+from embshard.hardware.protocol import MeasurementProtocol, allowed_cores
 
 #: Bytes per float sent (pooled embeddings and their gradients are fp32).
 BYTES_PER_FLOAT = 4
@@ -79,11 +83,11 @@ def batch_split(batch_size: int, num_ranks: int) -> list[int]:
 def measure_comm(
     configs: Sequence[CommConfig | tuple[Sequence[int], Sequence[float]]],
     batch_size: int,
-    warmups: int = 2,
-    repetitions: int = 10,
+    protocol: MeasurementProtocol | None = None,
     backend: str = "gloo",
     timeout_s: float | None = None,
     progress: bool = False,
+    cores: Sequence[int] | None = None,
 ) -> list[CommResult]:
     """Time the forward and backward all-to-all of every configuration on real processes.
 
@@ -91,16 +95,21 @@ def measure_comm(
         configs: CommConfig or (per-rank widths, per-rank delays in ms) pairs; all must have
             the same number of ranks D.
         batch_size: the global batch B.
-        warmups: untimed rounds over all configs before timing.
-        repetitions: timed rounds; each round measures every config once, in order.
+        protocol: how to time (default `MeasurementProtocol()`): `comm_warmups` untimed rounds
+            over all configs, then `comm_repetitions` timed rounds, each measuring every
+            config once, in order; pinning and allocator of the ranks.
         backend: "gloo" (CPU tensors) or "nccl" (one CUDA device per rank).
         timeout_s: give up (kill the processes, raise TimeoutError) after this long;
             default scales with the work.
         progress: a tqdm bar over timed rounds (reported by rank 0).
+        cores: the cores the ranks are pinned over (default: the caller's allowed set).
 
     Returns:
         One CommResult per config. D = 1 gives zeros without spawning anything.
     """
+    protocol = protocol or MeasurementProtocol()
+    warmups, repetitions = protocol.comm_warmups, protocol.comm_repetitions
+    cores = list(cores) if cores is not None else allowed_cores()
     cfgs = [c if isinstance(c, CommConfig) else CommConfig.make(*c) for c in configs]
     if not cfgs:
         return []
@@ -130,8 +139,8 @@ def measure_comm(
         for rank in range(d):
             p = ctx.Process(
                 target=_worker,
-                args=(rank, d, os.path.join(tmp, "store"), backend, payload, batch_size, warmups,
-                      repetitions, results, progress, float(timeout_s)),
+                args=(rank, d, os.path.join(tmp, "store"), backend, payload, batch_size, protocol.to_dict(),
+                      cores, results, progress, float(timeout_s)),
                 daemon=True,
             )
             p.start()
@@ -177,8 +186,8 @@ def measure_comm(
     for k in range(len(cfgs)):
         fw = [per_rank[r][0][k] for r in range(d)]
         bw = [per_rank[r][1][k] for r in range(d)]
-        tf = [Timing.of(x) for x in fw]
-        tb = [Timing.of(x) for x in bw]
+        tf = [protocol.summarize([[v] for v in x]) for x in fw]
+        tb = [protocol.summarize([[v] for v in x]) for x in bw]
         out.append(
             CommResult(
                 forward_ms=[t.median_ms for t in tf],
@@ -201,7 +210,7 @@ def _sleep_until(t_end: float) -> None:
         time.sleep(left if left > 2e-3 else left / 2)
 
 
-def _worker(rank, world, store_path, backend, payload, batch_size, warmups, repetitions, results,
+def _worker(rank, world, store_path, backend, payload, batch_size, protocol_dict, cores, results,
             progress, timeout_s) -> None:
     try:
         import datetime
@@ -209,7 +218,11 @@ def _worker(rank, world, store_path, backend, payload, batch_size, warmups, repe
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
+        from embshard.hardware.protocol import set_worker_process
+
+        protocol = MeasurementProtocol.from_config(protocol_dict)
+        warmups, repetitions = protocol.comm_warmups, protocol.comm_repetitions
+        set_worker_process(protocol, rank, cores, threads=1)
         if backend == "nccl":
             torch.cuda.set_device(rank)
             dev = torch.device("cuda", rank)

@@ -5,29 +5,34 @@ measures many plans at once (`measure_many`), interleaved so drift of the machin
 alike:
 
 1. compute: every device of every plan runs its fused embedding kernel (forward +
-   backward with the fused update) on fresh index batches, round-robin over plans and
-   devices (A B A B ... per round);
+   backward with the fused update), round-robin over plans and devices (A B A B ... per
+   visit), under the measurement protocol (`hardware.protocol`: pinned, one thread, CPU
+   time of the measuring thread, caching allocator, median over visits);
 2. communication: one spawned process group measures the forward and backward all-to-all
    of every plan, each rank first waiting its own measured compute time (less the
    smallest), so the forward comm of a fast device includes waiting for the slowest.
 
 Plan cost = max over devices of (compute + forward comm + backward comm).
+
+`session_probe` times the speed probe (`hardware.probe`) once per evaluator: the run that owns
+the measuring session calls it first and records it beside the costs.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Sequence
 
 from embshard.costs.base import DeviceCosts
 from embshard.errors import InputError
 from embshard.hardware.backends import BACKENDS, ShardInput
 from embshard.hardware.comm import CommConfig, CommResult, measure_comm
 from embshard.hardware.compute import measure_compute
-from embshard.hardware.timing import Timing
+from embshard.hardware.protocol import MeasurementProtocol, Timing
 from embshard.plan import Plan, validate
 from embshard.task import Task
+
+if TYPE_CHECKING:
+    from embshard.hardware.probe import Probe
 
 
 class HardwareEvaluator:
@@ -38,16 +43,11 @@ class HardwareEvaluator:
         device: "cpu" or "cuda" (all logical devices are timed one after another on it).
         comm_backend: "gloo", "nccl", None (no communication: compute only), or "auto"
             (gloo on CPU, nccl on CUDA).
-        warmups: untimed steps per visit of a device (and all-to-all rounds).
-        repetitions: timed steps per device (and timed all-to-all rounds).
+        protocol: how to time (`MeasurementProtocol`, the Hydra group `measure/`; a dict is
+            accepted). Default: the pinned CPU protocol.
         batch_size: override the task's batch size (faster runs); None keeps it.
         seed: seeds the index draws.
         progress: tqdm progress bars.
-        rounds: interleaving rounds for compute (default min(repetitions, 5)).
-        num_threads: torch intra-op threads while timing kernels: "auto" = 1 on CPU (a
-            multi-threaded CPU kernel on a shared or oversubscribed machine stalls in
-            OpenMP barriers and times 10-30x slower at random), unchanged on CUDA; None:
-            leave torch's setting alone.
         comm_timeout_s: kill the comm processes after this long (None: scales with work).
     """
 
@@ -56,13 +56,10 @@ class HardwareEvaluator:
         backend: str = "fbgemm",
         device: str = "cpu",
         comm_backend: str | None = "auto",
-        warmups: int = 3,
-        repetitions: int = 10,
+        protocol: MeasurementProtocol | dict | None = None,
         batch_size: int | None = None,
         seed: int = 0,
         progress: bool = False,
-        rounds: int | None = None,
-        num_threads: int | str | None = "auto",
         comm_timeout_s: float | None = None,
     ):
         if backend not in BACKENDS:
@@ -71,34 +68,41 @@ class HardwareEvaluator:
             comm_backend = "nccl" if str(device).startswith("cuda") else "gloo"
         if comm_backend not in ("gloo", "nccl", None):
             raise InputError(f"comm_backend must be 'gloo', 'nccl', 'auto' or None, got {comm_backend!r}")
-        if warmups < 0 or repetitions < 1:
-            raise InputError("warmups must be >= 0 and repetitions >= 1")
         if batch_size is not None and batch_size < 1:
             raise InputError(f"batch_size must be positive, got {batch_size}")
         self.backend = backend
         self.device = device
         self.comm_backend = comm_backend
-        self.warmups = int(warmups)
-        self.repetitions = int(repetitions)
+        self.protocol = MeasurementProtocol.from_config(protocol)
         self.batch_size = batch_size
         self.seed = seed
         self.progress = progress
-        self.rounds = rounds
-        if num_threads == "auto":
-            num_threads = None if str(device).startswith("cuda") else 1
-        self.num_threads = num_threads
         self.comm_timeout_s = comm_timeout_s
+        self.probe: "Probe | None" = None
+
+    def session_probe(self) -> "Probe | None":
+        """The speed probe of this measuring session: timed on first use (when the protocol
+        asks for it), then reused."""
+        if self.probe is None and self.protocol.probe:
+            from embshard.hardware.probe import run_probe
+
+            self.probe = run_probe(self.protocol, backend=self.backend, device=self.device,
+                                   comm_backend=self.comm_backend)
+        return self.probe
 
     # ------------------------------------------------------------------ CostModel
     def device_costs(self, task: Task, plan: Plan) -> DeviceCosts:
         return self.measure_many(task, [plan])[0]
 
     # ------------------------------------------------------------------ batches of plans
-    def measure_many(self, task: Task, plans: Sequence[Plan], rounds: int | None = None) -> list[DeviceCosts]:
-        """Measure every plan of `task`, interleaved; one DeviceCosts per plan, in order."""
+    def measure_many(self, task: Task, plans: Sequence[Plan], visits: int | None = None) -> list[DeviceCosts]:
+        """Measure every plan of `task`, interleaved; one DeviceCosts per plan, in order.
+
+        `visits` overrides the protocol's number of interleaved visits for this call."""
         plans = list(plans)
         if not plans:
             return []
+        protocol = self.protocol if visits is None else self.protocol.replace(visits=int(visits))
         d = task.num_devices
         batch = self.batch_size or task.batch_size
         tables = task.table_by_name
@@ -114,17 +118,14 @@ class HardwareEvaluator:
             backend=self.backend,
             device=self.device,
             optimizer=task.optimizer,
-            warmups=self.warmups,
-            repetitions=self.repetitions,
-            rounds=rounds if rounds is not None else self.rounds,
+            protocol=protocol,
             seed=self.seed,
             progress=self.progress,
-            num_threads=self.num_threads,
         )
         per_plan: list[list[Timing]] = [compute[i * d : (i + 1) * d] for i in range(len(plans))]
 
         if self.comm_backend is None or d == 1:
-            comm = [CommResult.zero(d, self.repetitions) for _ in plans]
+            comm = [CommResult.zero(d, protocol.comm_repetitions) for _ in plans]
         else:
             configs = []
             for plan, timings in zip(plans, per_plan):
@@ -134,8 +135,7 @@ class HardwareEvaluator:
             comm = measure_comm(
                 configs,
                 batch,
-                warmups=max(1, self.warmups),
-                repetitions=self.repetitions,
+                protocol=protocol,
                 backend=self.comm_backend,
                 timeout_s=self.comm_timeout_s,
                 progress=self.progress,

@@ -861,7 +861,7 @@ class NeuroShardSharder:
             unique.setdefault(p.signature(), i)
         measure = sorted(set(unique.values()))
         t0 = time.perf_counter()
-        costs = self.evaluator.measure_many(task, [labelled[i][2] for i in measure], rounds=self.verify_rounds)
+        costs = self.evaluator.measure_many(task, [labelled[i][2] for i in measure], visits=self.verify_rounds)
         seconds = time.perf_counter() - t0
         measured = {i: c for i, c in zip(measure, costs)}
         rows = []

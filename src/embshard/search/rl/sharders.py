@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from embshard.errors import InputError
-from embshard.hardware.compute import torch_threads
+from embshard.hardware.protocol import torch_threads
 from embshard.plan import Plan, validate
 from embshard.search.rl.checkpoint import load_checkpoint
 from embshard.search.rl.env import best_plan

@@ -41,7 +41,7 @@ from embshard.search.rl.buffer import Buffer
 from embshard.search.rl.checkpoint import ALGORITHMS, build_agent, data_card_markdown, save_checkpoint
 from embshard.search.rl.env import MASKS, best_plan
 from embshard.search.rl.features import FeatureNorm
-from embshard.hardware.compute import torch_threads
+from embshard.hardware.protocol import torch_threads
 from embshard.task import Task, load_tasks
 
 log = logging.getLogger(__name__)
@@ -262,12 +262,11 @@ def run_rl(c: dict[str, Any], dataset: Path | None, out_dir: Path, make_evaluato
         raise InputError("stage=rl: no training tasks")
     evaluator = make_evaluator() if make_evaluator is not None else None
     comm_measured = evaluator is not None and getattr(evaluator, "comm_backend", None) is not None
-    rounds = c.get("measure_rounds")
 
     measure = None
     if evaluator is not None:
         def measure(task: Task, plans: Sequence[Plan]):
-            return evaluator.measure_many(task, plans, rounds=rounds)
+            return evaluator.measure_many(task, plans)
 
     cost_samples: list[dict] = []
     if c.get("cost_data"):
@@ -340,7 +339,7 @@ def _hardware_text(evaluator: Any) -> str:
 
     v = library_versions()
     return (f"{evaluator.backend} on {evaluator.device} ({device_name(evaluator.device)}), comm {evaluator.comm_backend}, "
-            f"{evaluator.num_threads} thread(s); torch {v.get('torch')}, {v.get('fbgemm_gpu')}; {platform.node()}")
+            f"protocol {evaluator.protocol.name} ({evaluator.protocol.threads} thread(s)); torch {v.get('torch')}, {v.get('fbgemm_gpu')}; {platform.node()}")
 
 
 def run_from_config(cfg: Any, dataset: Callable[[], Path], out_dir: Path) -> float:
