@@ -32,9 +32,11 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from embshard.errors import InfeasibleError, PlanError
 from embshard.plan import Plan, validate
+from embshard.search.base import Capabilities
 from embshard.task import Task
 from embshard.torchrec_bridge import plan_from_torchrec, task_to_ebc
 
@@ -74,6 +76,8 @@ class TorchRecPlanner:
         quiet: silence TorchRec's planner log and warnings.
     """
 
+    #: it plans an EmbeddingBagCollection: pooled tables only
+    capabilities: ClassVar[Capabilities] = Capabilities(("pooled",), splits_tables=True)
     sharding_types: tuple[str, ...] = DEFAULT_SHARDING_TYPES
     compute_device: str = "cuda"
     storage_reservation_percentage: float = 0.0
