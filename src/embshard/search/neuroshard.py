@@ -841,7 +841,8 @@ class NeuroShardSharder:
                                  "one; or set searchers.neuroshard.verify=0)")
             plan = self._guard(task, found[:k], start)
         self.last_search_seconds = time.perf_counter() - start
-        self.last_search_info = dict(self._model_info)
+        # beam false: the task was over beam_max_work (table-wise grid and memory-forced splits only)
+        self.last_search_info = {**self._model_info, "beam": search.beam_ran}
         self.last_costs = self.predicted_costs(task, plan)
         self.last_predicted_cost_ms = self.last_costs.plan_cost_ms
         self.last_stats = {

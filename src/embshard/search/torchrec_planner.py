@@ -135,6 +135,12 @@ class TorchRecPlanner:
         assert overflow is not None
         raise overflow
 
+    @property
+    def last_search_info(self) -> dict[str, int | None]:
+        """report.json `search_info`: attempts above 1 re-planned with TorchRec's capacity
+        shrunk to `hbm_cap_bytes` because its plan overflowed our memory model."""
+        return {"attempts": self.last_attempts, "hbm_cap_bytes": self.last_hbm_cap}
+
     # ------------------------------------------------------------------ TorchRec
     def _plan_once(self, task: Task, hbm_cap: int):
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder

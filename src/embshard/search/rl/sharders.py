@@ -84,7 +84,9 @@ class RLSharder:
         self.last_search_seconds = time.perf_counter() - start
         self.last_predicted_cost_ms = estimate_ms
         self.last_stats = {"samples": samples, "estimated_ms": estimate_ms}
-        self.last_search_info = {"checkpoint": str(resolve_path(self.checkpoint)), "samples": samples}
+        # samples below samples_requested: the task was over sample_max_work (argmax only)
+        self.last_search_info = {"checkpoint": str(resolve_path(self.checkpoint)), "samples": samples,
+                                 "samples_requested": self.samples}
         if samples < self.samples:
             log.info("%s: %s has %d tables x %d devices; argmax only (sample_max_work=%s)", self.name, task.name,
                      len(task.tables), task.num_devices, self.sample_max_work)
