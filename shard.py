@@ -161,7 +161,7 @@ def _estimate_caption(judge: dict[str, str | None], results) -> str:
     """Whose estimates the table shows, and what that means for "vs best"."""
     model = f"the {judge['name']} cost model" + (f" ({judge['checkpoint']})" if judge["checkpoint"] else "")
     lines = [f"costs are ESTIMATES by {model}, not measurements; \"vs best\" compares these estimates "
-             "(how far they are from measured costs: docs/neuroshard.md, fidelity; measure with evaluate=measured)"]
+             "(how far they are from measured costs: 'Fidelity' in docs/neuroshard.md; measure with evaluate=measured)"]
     same = sorted({r.algorithm for r in results if r.search_info and judge["checkpoint"] is not None
                    and r.search_info.get("checkpoint") == judge["checkpoint"]})
     if same:
