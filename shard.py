@@ -5,7 +5,9 @@
 Writes DIR/report.json, DIR/plans/<algorithm>.json (DIR/plans/<task>/<algorithm>.json when
 there are several tasks), DIR/measured_cost.png and DIR/config.yaml (the resolved config).
 With no arguments it runs an embedded default: a small synthetic dataset, a few tasks,
-every baseline and TorchRec's planner, measured on real kernels.
+every baseline and TorchRec's planner, measured on real kernels. `python shard.py --help`
+lists the keys. Exit status: 0 when every task got a valid plan, 1 when some task got none
+(report.json says why), 2 for bad input (one error line, nothing written).
 """
 
 from __future__ import annotations
@@ -94,13 +96,15 @@ def run(cfg: DictConfig) -> float | None:
             results += task_results
 
         metric = {"measured": "measured_cost_ms", "traffic": "modeled_comm_ms"}.get(cfg.evaluate, "estimated_cost_ms")
-        summary = summarize(results, metric) if cfg.evaluate != "none" else summarize(results, "search_seconds")
+        shown = metric if cfg.evaluate != "none" else "search_seconds"  # what the tables compare
+        summary = summarize(results, shown)
         written = _write_outputs(staging, cfg, tasks, results, summary, metric, judge)
+        if not cfg.task_file:
+            written.insert(0, "default_tasks/")
         _publish(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
-    shown = metric if cfg.evaluate != "none" else "search_seconds"
     print(f"\n{len(tasks)} task(s), evaluate={cfg.evaluate}")
     if cfg.evaluate == "estimated":
         print(_estimate_caption(judge, results))
