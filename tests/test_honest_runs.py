@@ -374,3 +374,31 @@ def test_per_device_columns_summarise_many_devices():
 
     assert per_device([1, 2, 3], "{:d}") == "1/2/3"
     assert per_device(list(range(16)), "{:d}") == "0..15 over 16"
+
+
+# ----------------------------------------------------------------------------- other fallbacks found
+def test_refine_stops_when_neuroshard_planned_nothing_instead_of_scoring_the_heuristics(tmp_path):
+    """The loop's convergence test is the models' error on the search's own shards; with none it
+    used to score every algorithm's shards instead, silently."""
+    from embshard.costs.refine import refine
+    from embshard.data.tasks import user_tasks
+    from embshard.errors import InfeasibleError
+    from embshard.hardware.evaluator import HardwareEvaluator
+    from embshard.search.baselines import GreedySharder
+    from tests.test_neural import write_data
+
+    write_data(tmp_path / "base", n_compute=20, n_comm=8)
+    dist = dict(dims=[8], min_rows=500, max_rows=2_000, max_pooling=4.0, onehot_share=0.0, histogram_share=0.0)
+
+    def make_tasks(r):
+        return user_tasks(1, seed=r, min_tables=3, max_tables=3, num_devices=[2], batch_sizes=[256], **dist)
+
+    def make_sharders(ckpt):
+        return {"neuroshard": NeuroShardSharder(checkpoint=str(tmp_path / "missing.pt"), verify=0),
+                "size_greedy": GreedySharder("size")}
+
+    evaluator = HardwareEvaluator(comm_backend=None, warmups=0, repetitions=1, seed=0)
+    with pytest.raises(InfeasibleError, match="refine round 0: neuroshard found no valid plan on any task"):
+        refine({"data_dir": str(tmp_path / "base"), "checkpoint": str(SHIPPED), "rounds": 1, "stop_ratio": 1.25},
+               {}, make_tasks, make_sharders, evaluator, tmp_path / "out")
+    assert not (tmp_path / "out" / "rounds" / "round0" / "metrics.json").exists()
