@@ -130,7 +130,7 @@ def memory_shortfall(task: Task) -> str | None:
 
 
 def binary_size(nbytes: float) -> str:
-    """Bytes for a reader: 1.73 GiB, 512.0 MiB, 3.2 KiB."""
+    """Bytes for a reader: 1.73 GiB, 512.00 MiB, 3.20 KiB."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"
@@ -144,9 +144,7 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
     An algorithm not meant for the task's table kinds is refused (`refusal`) without running.
     `catalogue`: the capabilities of every algorithm the caller knows by name (default: those
     of `sharders`), for the hints of infeasibility errors (`infeasible_hint`)."""
-    if catalogue is None:
-        catalogue = {name: s.capabilities for name, s in sharders.items()}
-    catalogue = {**catalogue, **{name: s.capabilities for name, s in sharders.items()}}
+    catalogue = {**(catalogue or {}), **{name: s.capabilities for name, s in sharders.items()}}
     results = []
     for name, sharder in sharders.items():
         reason = refusal(name, sharder.capabilities, task)

@@ -77,10 +77,9 @@ class Column:
 
 
 def summary_columns(metric: str) -> list[Column]:
-    """The columns of the across-tasks summary (`summarize` rows)."""
-    return [
-        Column("algorithm", lambda r: r["algorithm"]),
-        Column("valid", lambda r: f"{r['valid']}/{r['tasks']}"),
+    """The columns of the across-tasks summary (`summarize` rows); metric "search_seconds"
+    (evaluate=none): no cost columns."""
+    cost = [] if metric == "search_seconds" else [
         Column(f"mean {METRIC_LABELS.get(metric, metric)}", lambda r: _fmt(r[f"mean_{metric}"], "{:.3f}")),
         Column("± spread", lambda r: _fmt(r.get("mean_spread_ms"), "{:.3f}")),
         Column("vs best", lambda r: _fmt(r["mean_ratio_to_best"], "{:.3f}x")),
@@ -88,7 +87,12 @@ def summary_columns(metric: str) -> list[Column]:
         Column("gap to balance", lambda r: _fmt(r.get("mean_gap_pct"), "{:+.1f}%")),
         Column("out of envelope",
                lambda r: "-" if r.get("devices") is None else f"{r['out_of_envelope_devices']}/{r['devices']}"),
-        Column("search (s)", lambda r: _fmt(r["mean_search_seconds"], "{:.3f}")),
+    ]
+    return [
+        Column("algorithm", lambda r: r["algorithm"]),
+        Column("valid", lambda r: f"{r['valid']}/{r['tasks']}"),
+        *cost,
+        Column("mean search (s)", lambda r: _fmt(r["mean_search_seconds"], "{:.3f}")),
     ]
 
 
