@@ -5,13 +5,17 @@
 Writes DIR/report.json, DIR/plans/<algorithm>.json (DIR/plans/<task>/<algorithm>.json when
 there are several tasks), DIR/measured_cost.png and DIR/config.yaml (the resolved config).
 With no arguments it runs an embedded default: a small synthetic dataset, a few tasks,
-every baseline and TorchRec's planner, measured on real kernels.
+every baseline and TorchRec's planner, measured on real kernels. `python shard.py --help`
+lists the keys. Exit status: 0 when every task got a valid plan, 1 when some task got none
+(report.json says why), 2 for bad input (one error line, nothing written).
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import shutil
+import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
@@ -26,28 +30,42 @@ log = logging.getLogger("shard")
 ROOT = Path(__file__).resolve().parent
 
 
+def as_override(value: object) -> str:
+    """A config value as a user types it on the command line (null, true, [a,b])."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)) or OmegaConf.is_list(value):
+        return f"[{','.join(as_override(v) for v in value)}]"
+    return str(value)
+
+
+# `--help` (conf/hydra/help/shard.yaml) shows the current values with it
+OmegaConf.register_new_resolver("as_override", as_override, replace=True)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="shard")
 def main(cfg: DictConfig) -> float | None:
     return one_line_errors(run, cfg)
 
 
 def run(cfg: DictConfig) -> float | None:
-    from hydra.utils import instantiate
+    from hydra.utils import get_class, instantiate
 
-    from embshard.compare import EVALUATE_MODES, evaluate_task, plan_task
-    from embshard.report import format_table, plot_costs, summarize
+    from embshard.compare import EVALUATE_MODES, evaluate_task, memory_shortfall, plan_task
+    from embshard.report import format_results, format_table, summarize
     from embshard.task import load_tasks
 
     # Everything a user can get wrong is checked before anything is written.
-    algorithms = list(cfg.algorithms) if not isinstance(cfg.algorithms, str) else cfg.algorithms.split(",")
-    unknown = [a for a in algorithms if a not in cfg.searchers]
-    if unknown or not algorithms:
-        raise InputError(f"unknown algorithm(s) {unknown or algorithms}; known: {', '.join(cfg.searchers)}")
+    algorithms = _algorithms(cfg)
     if cfg.evaluate not in EVALUATE_MODES:
         raise InputError(f"evaluate must be one of {', '.join(EVALUATE_MODES)}, got {cfg.evaluate!r}")
     out_dir = Path(cfg.out_dir) if cfg.out_dir else ROOT / "outputs" / "shard" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"out_dir {out_dir} exists and is not a folder")
+    estimating = cfg.evaluate in ("estimated", "measured")
+    judge = _cost_model_info(cfg) if estimating else None
 
     staging = Path(tempfile.mkdtemp(prefix=".shard-", dir=_existing_parent(out_dir)))
     try:
@@ -58,7 +76,9 @@ def run(cfg: DictConfig) -> float | None:
 
             tasks = build_default_tasks(cfg.default_tasks, staging / "default_tasks", seed=cfg.seed)
         sharders = {name: instantiate(cfg.searchers[name]) for name in algorithms}
-        cost_model = instantiate(cfg.cost_model) if cfg.evaluate in ("estimated", "measured") else None
+        # what every known algorithm is meant for, read off its class: infeasibility hints name them
+        catalogue = {name: get_class(cfg.searchers[name]._target_).capabilities for name in cfg.searchers}
+        cost_model = instantiate(cfg.cost_model) if estimating else None
         evaluator = instantiate(cfg.hardware) if cfg.evaluate == "measured" else None
         for sharder in sharders.values():  # NeuroShard's measured guard (verify=auto: on when measuring)
             if callable(getattr(sharder, "attach_evaluator", None)):
@@ -71,58 +91,123 @@ def run(cfg: DictConfig) -> float | None:
         results = []
         for task in tasks:
             log.info("task %s: %d tables on %d devices", task.name, len(task.tables), task.num_devices)
-            task_results = plan_task(task, sharders)
+            task_results = plan_task(task, sharders, catalogue)
             evaluate_task(task, task_results, cfg.evaluate, cost_model, evaluator, rounds=cfg.rounds)
             results += task_results
 
         metric = {"measured": "measured_cost_ms", "traffic": "modeled_comm_ms"}.get(cfg.evaluate, "estimated_cost_ms")
-        summary = summarize(results, metric) if cfg.evaluate != "none" else summarize(results, "search_seconds")
-        _write_outputs(staging, cfg, tasks, results, summary, metric)
+        shown = metric if cfg.evaluate != "none" else "search_seconds"  # what the tables compare
+        summary = summarize(results, shown)
+        written = _write_outputs(staging, cfg, tasks, results, summary, metric, judge)
+        if not cfg.task_file:
+            written.insert(0, "default_tasks/")
         _publish(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
-    print(f"\n{len(tasks)} task(s), evaluate={cfg.evaluate}:")
+    print(f"\n{len(tasks)} task(s), evaluate={cfg.evaluate}")
+    if cfg.evaluate == "estimated":
+        print(_estimate_caption(judge, results))
     if cfg.evaluate == "traffic":
         from embshard.flexshard.report import format_traffic
 
         print(format_traffic(results))
-    if cfg.evaluate != "none":
-        print(format_table(summary, metric))
+    for task in tasks:
+        mine = [r for r in results if r.task == task.name]
+        print(f"\ntask {task.name}: {len(task.tables)} tables on {task.num_devices} devices")
+        print(format_results(task, mine, shown))
+    if len(tasks) > 1:
+        print(f"\nover the {len(tasks)} tasks:")
+        print(format_table(summary, shown))
+    print(f"\nwrote {out_dir}/: {', '.join(written)}")
+    failed = [t for t in tasks if not any(r.valid for r in results if r.task == t.name)]
+    if failed:  # the run did nothing for these tasks: say so, and exit non-zero (docs/usage.md)
+        causes = {memory_shortfall(t) for t in failed} - {None}
+        cause = f": {causes.pop()}" if len(failed) == 1 and causes else ""
+        print(f"error: no valid plan for task(s) {', '.join(repr(t.name) for t in failed)}: every algorithm "
+              f"failed{cause}; reasons in the table above and in report.json", file=sys.stderr)
+        sys.exit(1)
+    return summary[0].get(f"mean_{metric}") if cfg.evaluate != "none" else None
+
+
+def _algorithms(cfg: DictConfig) -> list[str]:
+    """The algorithms to run: `algorithm=X` (one) or `algorithms=[X,Y]`, each known by name."""
+    if cfg.algorithm is not None:
+        if cfg.algorithms != OmegaConf.load(ROOT / "conf" / "shard.yaml").algorithms:
+            raise InputError("set algorithm=X (one) or algorithms=[X,Y] (several), not both")
+        algorithms = [str(cfg.algorithm)]
+    elif isinstance(cfg.algorithms, str):
+        algorithms = cfg.algorithms.split(",")
     else:
-        for r in results:
-            print(f"  {r.task:24s} {r.algorithm:20s} {'valid' if r.valid else 'INVALID: ' + str(r.error)}")
-    charts = [c for c in ("measured_cost.png", "traffic.png") if (out_dir / c).exists()]
-    print(f"\nwrote {out_dir}/report.json, plans/, config.yaml" + "".join(f", {c}" for c in charts))
-    first = summary[0].get(f"mean_{metric}") if cfg.evaluate != "none" else None
-    return first
+        algorithms = list(cfg.algorithms)
+    unknown = [a for a in algorithms if a not in cfg.searchers]
+    if unknown or not algorithms:
+        near = [m for a in unknown for m in difflib.get_close_matches(a, list(cfg.searchers), n=1)]
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise InputError(f"unknown algorithm(s) {unknown or algorithms}{hint}; known: {', '.join(cfg.searchers)}")
+    return algorithms
 
 
-def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metric: str) -> None:
+def _cost_model_info(cfg: DictConfig) -> dict[str, str | None]:
+    """Which model judges estimated costs (report.json: `cost_model`): neural (with its
+    checkpoint), analytic, or the `_target_` of any other."""
+    target = str(cfg.cost_model._target_)
+    name = {"embshard.costs.neural.NeuralCostModels.load": "neural",
+            "embshard.costs.analytic.AnalyticCostModel": "analytic"}.get(target, target)
+    path = cfg.cost_model.get("path")
+    if path is not None:  # as NeuralCostModels.load resolves it: the working directory, then the project root
+        p = Path(str(path))
+        path = str(p.resolve() if p.is_absolute() or p.exists() or not (ROOT / p).exists() else ROOT / p)
+    return {"name": name, "target": target, "checkpoint": path}
+
+
+def _estimate_caption(judge: dict[str, str | None], results) -> str:
+    """Whose estimates the table shows, and what that means for "vs best"."""
+    model = f"the {judge['name']} cost model" + (f" ({judge['checkpoint']})" if judge["checkpoint"] else "")
+    lines = [f"costs are ESTIMATES by {model}, not measurements; \"vs best\" compares these estimates "
+             "(how far they are from measured costs: 'Fidelity' in docs/neuroshard.md; measure with evaluate=measured)"]
+    same = sorted({r.algorithm for r in results if r.search_info and judge["checkpoint"] is not None
+                   and r.search_info.get("checkpoint") == judge["checkpoint"]})
+    if same:
+        lines.append(f"{', '.join(same)} searched against this same model, so its estimate favours "
+                     f"{'it' if len(same) == 1 else 'them'}")
+    return "\n".join(lines)
+
+
+def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metric: str,
+                   judge: dict[str, str | None] | None) -> list[str]:
+    """Write everything into `staging`; returns the names written (what the run may claim)."""
     from embshard.io import write_json_atomic, write_text_atomic
     from embshard.report import plot_costs
 
-    (staging / "plans").mkdir(exist_ok=True)
+    written = ["report.json"]
     for r in results:
         if r.plan is None:
             continue
         where = staging / "plans" / (f"{r.algorithm}.json" if len(tasks) == 1 else f"{r.task}/{r.algorithm}.json")
         r.plan.save(where)
+        if "plans/" not in written:
+            written.append("plans/")
     report = {
         "evaluate": cfg.evaluate,
         "metric": metric,
+        # the model that estimated `estimated_cost_ms` (null: nothing was estimated)
+        "cost_model": judge,
         "tasks": [t.name for t in tasks],
         "results": [r.to_dict() for r in results],
         "summary": summary,
     }
     write_json_atomic(staging / "report.json", report)
     write_text_atomic(staging / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    if cfg.plot and cfg.evaluate == "measured":
-        plot_costs(results, staging / "measured_cost.png", metric)
+    written.append("config.yaml")
+    if cfg.plot and cfg.evaluate == "measured" and plot_costs(results, staging / "measured_cost.png", metric):
+        written.append("measured_cost.png")
     if cfg.plot and cfg.evaluate == "traffic":
         from embshard.flexshard.report import plot_traffic
 
-        plot_traffic(results, staging / "traffic.png")
+        if plot_traffic(results, staging / "traffic.png"):
+            written.append("traffic.png")
+    return written
 
 
 def _existing_parent(path: Path) -> Path:
@@ -142,5 +227,27 @@ def _publish(staging: Path, out_dir: Path) -> None:
             src.replace(dst)
 
 
+def refuse_additions(argv: list[str]) -> None:
+    """Hydra's `+key=value` adds a key: one shard.py never reads (silently ignored), or, for a key
+    it has (`+algorithm=X`), a Hydra error several lines long. Either way: one line, exit 2."""
+    for arg in argv:
+        if not arg.startswith("+"):
+            continue
+        key, _, value = arg.lstrip("+").partition("=")
+        conf = OmegaConf.load(ROOT / "conf" / "shard.yaml")
+        known = [k for k in conf if k not in ("defaults", "hydra")]
+        known += [next(iter(d)) for d in conf.defaults if isinstance(d, DictConfig) and "override" not in next(iter(d))]
+        top = key.split(".")[0].split("/")[0]
+        if top in known:
+            fix = f"write {key}={value}"
+        else:
+            near = difflib.get_close_matches(top, known, n=1)
+            fix = f"{top!r} is not a shard.py key" + (f" (did you mean {near[0]!r}?)" if near else "")
+        print(f"error: {arg}: shard.py takes its own keys without '+': {fix}; python shard.py --help lists them",
+              file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
+    refuse_additions(sys.argv[1:])
     main()

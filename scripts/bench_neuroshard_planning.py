@@ -43,7 +43,7 @@ def main() -> None:
 
     planners = {"neuroshard (analytic)": lambda: NeuroShardSharder(checkpoint=None, verify=0)}
     if args.checkpoint:
-        planners["neuroshard (neural)"] = lambda: NeuroShardSharder(checkpoint=args.checkpoint, fallback="error", verify=0)
+        planners["neuroshard (neural)"] = lambda: NeuroShardSharder(checkpoint=args.checkpoint, verify=0)
     if args.torchrec:
         from embshard.search.torchrec_planner import TorchRecPlanner
 

@@ -6,7 +6,6 @@ Every search here runs against the analytic cost model behind the ShardPredictor
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 
 import numpy as np
@@ -339,22 +338,16 @@ def test_beam_is_skipped_for_huge_tasks_but_splits_still_rescue():
 
 
 # ----------------------------------------------------------------------------- checkpoint, config
-def test_missing_checkpoint_error_or_fallback(caplog):
+def test_missing_checkpoint_is_an_error_never_a_fallback():
     task = make_task([Table("a", 1000, 8, 1.0), Table("b", 1000, 16, 2.0)], 2)
     missing = "no/such/dir/cost_models.pt"
     with pytest.raises(InputError) as e:
-        sharder(checkpoint=missing, fallback="error").shard(task)
+        sharder(checkpoint=missing).shard(task)
     msg = str(e.value)
     assert "\n" not in msg and str(ROOT / missing) in msg and "train.py stage=pretrain" in msg
-    with caplog.at_level(logging.WARNING, logger="embshard.search.neuroshard"):
-        plan = sharder(checkpoint=missing, fallback="analytic").shard(task)
-    validate(task, plan)
-    assert any("not found" in r.getMessage() and "analytic" in r.getMessage() for r in caplog.records)
 
 
 def test_bad_arguments_are_input_errors():
-    with pytest.raises(InputError):
-        NeuroShardSharder(fallback="maybe")
     with pytest.raises(InputError):
         NeuroShardSharder(caps=[])
     with pytest.raises(InputError):

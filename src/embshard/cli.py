@@ -17,5 +17,8 @@ def one_line_errors(run: Callable[[Any], T], cfg: Any) -> T:
     try:
         return run(cfg)
     except (EmbshardError, MissingMandatoryValue) as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        # one write, not print's two (text, then newline): ranks of a torchrun share stderr, and
+        # two writes each let their lines interleave
+        sys.stderr.write(f"error: {str(e).splitlines()[0]}\n")
+        sys.stderr.flush()
         sys.exit(2)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from embshard.costs.base import CostModel, DeviceCosts
-from embshard.errors import EmbshardError
+from embshard.errors import EmbshardError, InfeasibleError
 from embshard.plan import Plan, validate
-from embshard.search.base import Sharder
+from embshard.search.base import Capabilities, Sharder
 from embshard.task import Task
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,8 @@ class Result:
     plan: Plan | None = None
     search_seconds: float | None = None
     memory_bytes: list[int] = field(default_factory=list)
+    #: shards (pieces of tables) on each device
+    pieces: list[int] = field(default_factory=list)
     estimated: DeviceCosts | None = None
     measured: DeviceCosts | None = None
     #: the cost models' training envelope vs this plan (`NeuralCostModels.envelope_report`)
@@ -65,6 +67,7 @@ class Result:
             "measured_cost_ms": self.measured_cost_ms,
             "measured_spread_ms": self.measured.plan_cost_spread_ms if self.measured else None,
             "memory_bytes": self.memory_bytes,
+            "pieces": self.pieces,
             "estimated_device_costs": self.estimated.to_dict() if self.estimated else None,
             "measured_device_costs": self.measured.to_dict() if self.measured else None,
             "headroom": {k: c.headroom() for k, c in (("estimated", self.estimated), ("measured", self.measured)) if c},
@@ -77,10 +80,78 @@ class Result:
         }
 
 
-def plan_task(task: Task, sharders: Mapping[str, Sharder]) -> list[Result]:
-    """Run every sharder on `task`; a plan that fails or breaks a rule is recorded, never kept."""
+def refusal(name: str, capabilities: Capabilities, task: Task) -> str | None:
+    """Why algorithm `name` is not meant for `task` (one line), or None when it is.
+
+    A task needs a table of a kind the algorithm is meant for. An algorithm not meant for
+    sequence tables also refuses a task holding any: its cost models, policy or TorchRec's
+    EmbeddingBagCollection model pooled lookups only, so its plan would be judged by the wrong
+    model. One meant for sequence tables carries pooled tables beside them (the sequence data
+    path runs both)."""
+    kinds = sorted({t.kind for t in task.tables})
+    meant = " or ".join(capabilities.table_kinds)
+    if not set(kinds) & set(capabilities.table_kinds):
+        return f"{name} is meant for {meant} tables; task {task.name!r} has only {'/'.join(kinds)} tables"
+    if "sequence" not in capabilities.table_kinds and "sequence" in kinds:
+        seq = [t.name for t in task.tables if t.is_sequence]
+        more = f" and {len(seq) - 3} more" if len(seq) > 3 else ""
+        return (f"{name} plans {meant} tables only; task {task.name!r} has sequence table(s) "
+                f"{', '.join(map(repr, seq[:3]))}{more}")
+    return None
+
+
+def infeasible_hint(name: str, task: Task, catalogue: Mapping[str, Capabilities]) -> str:
+    """What would help when `name` found no plan that fits memory: more memory when the tables
+    cannot fit in all the devices together (no plan can), else the algorithms of `catalogue`
+    that split tables and are meant for the task, when `name` does not split them."""
+    short = memory_shortfall(task)
+    if short:
+        return short
+    if catalogue[name].splits_tables:
+        return ""
+    splitters = [n for n, c in catalogue.items() if c.splits_tables and refusal(n, c, task) is None]
+    if not splitters:
+        return f"{name} places whole tables"
+    who = splitters[0] if len(splitters) == 1 else f"{', '.join(splitters[:-1])} and {splitters[-1]}"
+    return f"{name} places whole tables; {who} split tables: try algorithms=[{','.join(splitters)}]"
+
+
+def memory_shortfall(task: Task) -> str | None:
+    """Why no plan of `task` can fit, when its tables need more memory than all its devices
+    hold together; None otherwise."""
+    need = sum(task.table_memory_bytes(t) for t in task.tables)
+    room = task.num_devices * task.device_memory_bytes
+    if need <= room:
+        return None
+    # splitting never lowers the total: every piece keeps its weights, optimizer state and outputs
+    return (f"the tables need {need} bytes in all ({binary_size(need)}: weights, optimizer state, outputs) "
+            f"and {task.num_devices} devices hold {room} ({binary_size(room)}): no plan fits; "
+            "add devices or memory per device")
+
+
+def binary_size(nbytes: float) -> str:
+    """Bytes for a reader: 1.73 GiB, 512.00 MiB, 3.20 KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
+def plan_task(task: Task, sharders: Mapping[str, Sharder],
+              catalogue: Mapping[str, Capabilities] | None = None) -> list[Result]:
+    """Run every sharder on `task`; a plan that fails or breaks a rule is recorded, never kept.
+
+    An algorithm not meant for the task's table kinds is refused (`refusal`) without running.
+    `catalogue`: the capabilities of every algorithm the caller knows by name (default: those
+    of `sharders`), for the hints of infeasibility errors (`infeasible_hint`)."""
+    catalogue = {**(catalogue or {}), **{name: s.capabilities for name, s in sharders.items()}}
     results = []
     for name, sharder in sharders.items():
+        reason = refusal(name, sharder.capabilities, task)
+        if reason is not None:
+            log.warning("%s on %s: refused: %s", name, task.name, reason)
+            results.append(Result(task.name, name, valid=False, error=f"refused: {reason}"))
+            continue
         start = time.perf_counter()
         try:
             plan = sharder.shard(task)
@@ -89,8 +160,11 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder]) -> list[Result]:
             validate(task, plan)
         except EmbshardError as e:
             seconds = time.perf_counter() - start
-            log.warning("%s on %s: no valid plan: %s", name, task.name, e)
-            results.append(Result(task.name, name, valid=False, error=str(e), search_seconds=seconds))
+            error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            hint = infeasible_hint(name, task, catalogue) if isinstance(e, InfeasibleError) else ""
+            error = f"{error}; {hint}" if hint else error
+            log.warning("%s on %s: no valid plan: %s", name, task.name, error)
+            results.append(Result(task.name, name, valid=False, error=error, search_seconds=seconds))
             continue
         # A sharder may report its own pure search time (TorchRec's excludes model building).
         seconds = getattr(sharder, "last_search_seconds", None) or seconds
@@ -98,14 +172,23 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder]) -> list[Result]:
         info = getattr(sharder, "last_search_info", None)
         results.append(
             Result(task.name, name, valid=True, plan=plan, search_seconds=seconds, memory_bytes=plan.memory_bytes(task),
-                   guard=guard.to_dict() if guard is not None else None, search_info=dict(info) if info else None)
+                   pieces=pieces_per_device(task, plan), guard=guard.to_dict() if guard is not None else None,
+                   search_info=dict(info) if info else None)
         )
         if guard is not None:
             # the search's own pick beside the guarded one, so the model's quality stays visible
             pick = Plan(task.name, f"{name}{PICK_SUFFIX}", list(sharder.last_search_pick.shards))
             results.append(Result(task.name, pick.algorithm, valid=True, plan=pick,
-                                  search_seconds=seconds - guard.measure_seconds, memory_bytes=pick.memory_bytes(task)))
+                                  search_seconds=seconds - guard.measure_seconds, memory_bytes=pick.memory_bytes(task),
+                                  pieces=pieces_per_device(task, pick), search_info=dict(info) if info else None))
     return results
+
+
+def pieces_per_device(task: Task, plan: Plan) -> list[int]:
+    counts = [0] * task.num_devices
+    for s in plan.shards:
+        counts[s.device] += 1
+    return counts
 
 
 def evaluate_task(

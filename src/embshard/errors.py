@@ -7,6 +7,9 @@ traceback, while genuine bugs still surface with one.
 
 from __future__ import annotations
 
+import difflib
+from typing import Any, Collection, Iterable
+
 
 class EmbshardError(Exception):
     """Base class for errors caused by user input or by an impossible request."""
@@ -27,3 +30,17 @@ class InfeasibleError(PlanError):
         super().__init__(message)
         self.table = table
         self.shortfall_bytes = shortfall_bytes
+
+
+def check_keys(given: Iterable[Any], known: Collection[str], where: str, what: str = "field") -> None:
+    """Raise one InputError line naming every key of `given` not in `known`, each with the
+    nearest known key as a did-you-mean (difflib), so a misspelt key is never dropped silently."""
+    unknown = sorted(str(k) for k in given if k not in known)
+    if not unknown:
+        return
+    parts = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        parts.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    raise InputError(f"{where}: unknown {what}{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; "
+                     f"known: {', '.join(sorted(known))}")

@@ -30,10 +30,14 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from embshard.errors import InfeasibleError, InputError, PlanError
+from embshard.errors import InfeasibleError, InputError, PlanError, check_keys
 from embshard.io import atomic_path, write_json_atomic
 from embshard.tables import DIM_ALIGNMENT, Table, _is_int
 from embshard.task import Task, read_json
+
+
+#: Every key a plan JSON object may hold (docs/usage.md, "Contracts").
+PLAN_FIELDS = ("task", "algorithm", "shards", "row_maps", "dedup_ids")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class Shard:
         fields = ("table", "device", "col_offset", "dim", "row_offset", "rows")
         if not isinstance(d, dict):
             raise InputError(f"a shard must be a JSON object, got {type(d).__name__}")
+        check_keys(d, fields + ("replica",), f"shard of table {d.get('table')!r}")
         missing = [f for f in fields if f not in d]
         if missing:
             raise InputError(f"shard of table {d.get('table')!r}: missing field(s) {missing}")
@@ -129,6 +134,7 @@ class Plan:
         file's folder; the working directory when None)."""
         if not isinstance(d, dict):
             raise InputError(f"{source}: a plan must be a JSON object, got {type(d).__name__}")
+        check_keys(d, PLAN_FIELDS, f"{source}: plan")
         missing = {"task", "algorithm", "shards"} - set(d)
         if missing:
             raise InputError(f"{source}: missing field(s) {sorted(missing)}")
@@ -171,6 +177,8 @@ def _load_row_maps(spec: Any, source: str, base_dir: Path) -> dict[str, np.ndarr
         raise InputError(f"{source}: 'row_maps' must be an object {{table: {{file, rows, sha256}}}}")
     out: dict[str, np.ndarray] = {}
     for table, entry in spec.items():
+        if isinstance(entry, dict):
+            check_keys(entry, ("file", "rows", "sha256"), f"{source}: row map of table {table!r}")
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not _is_int(entry.get("rows")):
             raise InputError(f"{source}: row map of table {table!r} must be {{'file': str, 'rows': int, 'sha256': str}}")
         file = base_dir / entry["file"]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from statistics import mean
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from embshard.compare import Result
 from embshard.io import save_png
+from embshard.task import Task
 
 
 def summarize(results: Sequence[Result], metric: str = "measured_cost_ms") -> list[dict[str, Any]]:
@@ -57,33 +59,134 @@ def _costs_of(r: Result, metric: str):
     return r.measured if metric == "measured_cost_ms" else r.estimated
 
 
+#: What each metric is called in a table header.
+METRIC_LABELS = {
+    "measured_cost_ms": "measured (ms)",
+    "estimated_cost_ms": "estimate (ms)",
+    "modeled_comm_ms": "modeled comm (ms)",
+    "search_seconds": "search (s)",
+}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a text table: its header and how a row (a dict) becomes its cell."""
+
+    header: str
+    cell: Callable[[dict[str, Any]], str]
+
+
+def summary_columns(metric: str) -> list[Column]:
+    """The columns of the across-tasks summary (`summarize` rows); metric "search_seconds"
+    (evaluate=none): no cost columns."""
+    cost = [] if metric == "search_seconds" else [
+        Column(f"mean {METRIC_LABELS.get(metric, metric)}", lambda r: _fmt(r[f"mean_{metric}"], "{:.3f}")),
+        Column("± spread", lambda r: _fmt(r.get("mean_spread_ms"), "{:.3f}")),
+        Column("vs best", lambda r: _fmt(r["mean_ratio_to_best"], "{:.3f}x")),
+        Column("imbalance", lambda r: _fmt(r.get("mean_compute_imbalance"), "{:.2f}x")),
+        Column("gap to balance", lambda r: _fmt(r.get("mean_gap_pct"), "{:+.1f}%")),
+        Column("out of envelope",
+               lambda r: "-" if r.get("devices") is None else f"{r['out_of_envelope_devices']}/{r['devices']}"),
+    ]
+    return [
+        Column("algorithm", lambda r: r["algorithm"]),
+        Column("valid", lambda r: f"{r['valid']}/{r['tasks']}"),
+        *cost,
+        Column("mean search (s)", lambda r: _fmt(r["mean_search_seconds"], "{:.3f}")),
+    ]
+
+
 def format_table(rows: Sequence[dict[str, Any]], metric: str) -> str:
     """A fixed-width text table of `summarize` rows: cost, spread, ratio to the best plan,
     compute imbalance (max / mean device), gap to the balance reference (mean compute + the
     slowest device's comm), device shards outside the cost models' training envelope, and
-    search time."""
-    header = ["algorithm", "valid", f"{metric.replace('_ms', '')} (ms)", "± spread", "vs best", "imbalance",
-              "gap to balance", "out of envelope", "search (s)"]
-    lines = []
-    for r in rows:
-        ood = "-" if r.get("devices") is None else f"{r['out_of_envelope_devices']}/{r['devices']}"
-        lines.append(
-            [
-                r["algorithm"],
-                f"{r['valid']}/{r['tasks']}",
-                _fmt(r[f"mean_{metric}"], "{:.3f}"),
-                _fmt(r.get("mean_spread_ms"), "{:.3f}"),
-                _fmt(r["mean_ratio_to_best"], "{:.3f}x"),
-                _fmt(r.get("mean_compute_imbalance"), "{:.2f}x"),
-                _fmt(r.get("mean_gap_pct"), "{:+.1f}%"),
-                ood,
-                _fmt(r["mean_search_seconds"], "{:.3f}"),
-            ]
-        )
-    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(header)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    search time. Columns with nothing to show (every cell "-") are left out."""
+    return render(summary_columns(metric), rows)
+
+
+def result_rows(results: Sequence[Result], metric: str) -> list[dict[str, Any]]:
+    """One row per result of one task: its cost, ratio to the task's best, headroom, envelope,
+    pieces and memory per device, search time, and the reason when it has no valid plan."""
+    costs = [getattr(r, metric) for r in results if getattr(r, metric) is not None]
+    best = min(costs) if costs else None
+    rows = []
+    for r in results:
+        cost = getattr(r, metric)
+        c = _costs_of(r, metric)
+        head = c.headroom() if c is not None else {}
+        rows.append({
+            "algorithm": r.algorithm,
+            "valid": r.valid,
+            "error": r.error,
+            metric: cost,
+            "spread_ms": r.measured.plan_cost_spread_ms if r.measured and metric == "measured_cost_ms" else None,
+            "ratio_to_best": cost / best if cost is not None and best else None,
+            "compute_imbalance": head.get("compute_imbalance"),
+            "gap_pct": head.get("gap_pct"),
+            "envelope": r.envelope,
+            "pieces": r.pieces,
+            "memory_bytes": r.memory_bytes,
+            "search_seconds": r.search_seconds,
+        })
+    return rows
+
+
+def result_columns(metric: str, device_memory_bytes: int) -> list[Column]:
+    """The columns of one task's table (`result_rows`)."""
+    unit, scale = ("GiB", 2**30) if device_memory_bytes >= 2**30 else ("MiB", 2**20)
+    cost = [] if metric == "search_seconds" else [
+        Column(METRIC_LABELS.get(metric, metric), lambda r: _fmt(r[metric], "{:.3f}")),
+        Column("± spread", lambda r: _fmt(r["spread_ms"], "{:.3f}")),
+        Column("vs best", lambda r: _fmt(r["ratio_to_best"], "{:.3f}x")),
+        Column("imbalance", lambda r: _fmt(r["compute_imbalance"], "{:.2f}x")),
+        Column("gap to balance", lambda r: _fmt(r["gap_pct"], "{:+.1f}%")),
+        Column("out of envelope", lambda r: "-" if not r["envelope"]
+               else f"{r['envelope']['out_of_envelope_devices']}/{r['envelope']['devices']}"),
+    ]
+    return [
+        Column("algorithm", lambda r: r["algorithm"]),
+        Column("plan", lambda r: "valid" if r["valid"] else "INVALID"),
+        *cost,
+        Column("pieces per device", lambda r: per_device(r["pieces"], "{:d}")),
+        Column(f"memory per device ({unit} of {device_memory_bytes / scale:.2f})",
+               lambda r: per_device([b / scale for b in r["memory_bytes"]], "{:.2f}")),
+        Column("search (s)", lambda r: _fmt(r["search_seconds"], "{:.3f}")),
+    ]
+
+
+def format_results(task: Task, results: Sequence[Result], metric: str) -> str:
+    """One task's table: a row per algorithm; an INVALID row gives its reason in place of the
+    cells it has no values for."""
+    return render(result_columns(metric, task.device_memory_bytes), result_rows(results, metric),
+                  reason=lambda r: None if r["valid"] else str(r["error"]))
+
+
+def per_device(values: Sequence[float], pattern: str, show: int = 8) -> str:
+    """Values per device, "a/b/c/d"; past `show` devices, their range."""
+    if not values:
+        return "-"
+    if len(values) <= show:
+        return "/".join(pattern.format(v) for v in values)
+    return f"{pattern.format(min(values))}..{pattern.format(max(values))} over {len(values)}"
+
+
+def render(columns: Sequence[Column], rows: Sequence[dict[str, Any]],
+           reason: Callable[[dict[str, Any]], str | None] | None = None) -> str:
+    """Fixed-width text: a header, a rule, a line per row. A row with a `reason` shows its first
+    two cells and then the reason (not padded), instead of the other cells. Columns whose every
+    cell is "-" are left out (a cost column when nothing was costed)."""
+    cells = [[c.cell(r) for c in columns] for r in rows]
+    why = [reason(r) if reason else None for r in rows]
+    full = [line for line, w in zip(cells, why) if w is None]
+    keep = [i for i in range(len(columns)) if i < 2 or any(line[i] != "-" for line in full)]
+    header = [columns[i].header for i in keep]
+    widths = [max([len(h)] + [len(line[i]) for line in full]) for i, h in zip(keep, header)]
+    widths[:2] = [max([widths[j]] + [len(line[j]) for line in cells]) for j in range(2)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
     out.append("  ".join("-" * w for w in widths))
-    out += ["  ".join(c.ljust(w) for c, w in zip(l, widths)) for l in lines]
+    for line, w in zip(cells, why):
+        shown = [line[i].ljust(wd) for i, wd in zip(keep, widths)]
+        out.append(("  ".join(shown[:2]) + "  " + w) if w is not None else "  ".join(shown).rstrip())
     return "\n".join(out)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from embshard.errors import InputError
+from embshard.errors import InputError, check_keys
 
 #: Upper edges of the reuse bins (0,1], (1,2], (2,4], ..., (16384,32768]; a 17th bin holds 32768+.
 REUSE_BIN_EDGES: tuple[int, ...] = tuple(2**k for k in range(16))  # 1 .. 32768
@@ -19,6 +19,8 @@ MIN_ROWS = 100
 #: Table kinds: "pooled" (an EmbeddingBag: one vector per bag) or "sequence" (unpooled, TorchRec's
 #: EmbeddingCollection: every id yields its own vector; pooling_factor is then the mean sequence length).
 TABLE_KINDS = ("pooled", "sequence")
+#: Every key a table JSON object may hold.
+TABLE_FIELDS = ("name", "rows", "dim", "pooling_factor", "reuse_histogram", "bytes_per_element", "trace", "kind")
 
 
 def reuse_bin(access_counts: np.ndarray) -> np.ndarray:
@@ -145,15 +147,14 @@ class Table:
     def from_dict(cls, d: Any) -> "Table":
         if not isinstance(d, dict):
             raise InputError(f"a table must be a JSON object, got {type(d).__name__}")
-        known = {"name", "rows", "dim", "pooling_factor", "reuse_histogram", "bytes_per_element", "trace", "kind"}
-        unknown = set(d) - known
-        if unknown:
-            raise InputError(f"table {d.get('name')!r}: unknown field(s) {sorted(unknown)}")
+        check_keys(d, TABLE_FIELDS, f"table {d.get('name')!r}")
         missing = {"name", "rows", "dim", "pooling_factor"} - set(d)
         if missing:
             raise InputError(f"table {d.get('name')!r}: missing field(s) {sorted(missing)}")
         trace = d.get("trace")
         if trace is not None:
+            if isinstance(trace, dict):
+                check_keys(trace, ("file", "table_index"), f"table {d['name']!r}: trace")
             if not isinstance(trace, dict) or set(trace) != {"file", "table_index"}:
                 raise InputError(
                     f"table {d['name']!r}: trace must be {{'file': str, 'table_index': int}}"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from embshard.errors import InputError
+from embshard.errors import InputError, check_keys
 from embshard.io import write_json_atomic
 from embshard.tables import Table, _is_int
 
@@ -33,6 +33,9 @@ OUTPUT_BYTES_PER_ELEMENT = 4
 #: device ("1 NIC per GPU" in BasicCommsBandwidths.get_bw, torchrec/distributed/planner/types.py).
 INTRA_HOST_GBPS = 600.0
 INTER_HOST_GBPS = 12.5
+#: Every key a task JSON object may hold (docs/usage.md, "Contracts").
+TASK_FIELDS = ("name", "num_devices", "device_memory_bytes", "batch_size", "tables", "optimizer", "devices_per_host",
+               "hosts", "intra_host_gbps", "inter_host_gbps")
 #: What `_gbps` means here, as in TorchRec's constants: GiB (2**30 bytes) per second.
 BYTES_PER_GB = 1 << 30
 
@@ -174,6 +177,7 @@ class Task:
     def from_dict(cls, d: Any, source: str = "task") -> "Task":
         if not isinstance(d, dict):
             raise InputError(f"{source}: a task must be a JSON object, got {type(d).__name__}")
+        check_keys(d, TASK_FIELDS, f"{source}: task {d.get('name')!r}")
         missing = {"name", "num_devices", "device_memory_bytes", "batch_size", "tables"} - set(d)
         if missing:
             raise InputError(f"{source}: missing field(s) {sorted(missing)}")

@@ -266,6 +266,13 @@ def plan_to_torchrec(
 
     if check:
         validate(task, plan)
+    # replicas and row maps are the sequence data path's (dlrm/sequence_embedding.py): TorchRec's
+    # sharding types have no replica of a row block and would look rows up unremapped
+    replicated = sorted({s.table for s in plan.shards if s.replica})
+    if replicated or plan.row_maps:
+        what = f"table(s) {(replicated or sorted(plan.row_maps))[:3]} have {'replicas' if replicated else 'row maps'}"
+        raise PlanError(f"plan {plan.algorithm!r} cannot be exported to TorchRec: {what} "
+                        "(a sequence-table plan: train it with train.py stage=sequence_throughput)")
     world_size = task.num_devices if world_size is None else world_size
     local_world_size = local_world_size or task.devices_per_host or world_size
     local_world_size = min(local_world_size, world_size)

@@ -44,7 +44,7 @@ import numpy as np
 
 from embshard.costs.collect import PROFILE, comm_record, compute_record, piece_record, read_profile
 from embshard.costs.pretrain import per_task_kendall_taus, pretrain, regression_metrics
-from embshard.errors import EmbshardError, InputError
+from embshard.errors import EmbshardError, InfeasibleError, InputError
 from embshard.io import atomic_path, write_json_atomic, write_text_atomic
 from embshard.task import Task
 
@@ -77,7 +77,7 @@ def measure_round(tasks: list[Task], sharders: Mapping[str, Any], models: Any, e
                     plan = sharder.shard(task)
                     validate(task, plan)
                 except EmbshardError as e:
-                    log.info("refine: %s has no valid plan for %s (%s)", name, task.name, e)
+                    log.warning("refine: %s has no valid plan for %s (%s)", name, task.name, e)
                     continue
                 plans.append(plan)
                 names.append(name)
@@ -182,7 +182,10 @@ def refine(cfg: Mapping[str, Any], pretrain_cfg: Any, make_tasks: Callable[[int]
         compute_rows, comm_rows, plan_rows = measure_round(make_tasks(r), make_sharders(ckpt), models, evaluator, r)
         random_test = models.metrics.get("compute", {}).get("test") or {}
         scores = score_round(compute_rows, comm_rows, plan_rows)
-        search = scores["compute"].get("neuroshard") or scores["compute"]["all"]
+        if "neuroshard" not in scores["compute"]:  # the loop is about the search's shards: none, no round
+            raise InfeasibleError(f"refine round {r}: neuroshard found no valid plan on any task (the log says why); "
+                                  "nothing to score the models on")
+        search = scores["compute"]["neuroshard"]
         ratio = search["mape_pct"] / random_test["mape_pct"] if random_test.get("mape_pct") else None
         entry = {"round": r, "checkpoint": str(ckpt), "random_heldout": random_test, "scores": scores,
                  "search_to_random_mape": ratio, "samples": {"compute": len(compute_rows), "comm": len(comm_rows)},

@@ -26,6 +26,7 @@ from embshard.errors import InfeasibleError
 from embshard.flexshard.layout import Tiers, block_shards, check_fits, host_devices, tier_layout
 from embshard.flexshard.stats import BatchSplit, task_access_stats
 from embshard.plan import Plan, Shard
+from embshard.search.base import Capabilities
 from embshard.task import Task
 
 #: HugeCTR's defaults for the hybrid embedding's threshold (HugeCTR/src/parsers/create_embedding.cpp:
@@ -40,6 +41,8 @@ HUGECTR_EFFICIENCY_BANDWIDTH_RATIO = 1.0
 class RowWiseSharder:
     """Every table in TorchRec's row blocks over all devices."""
 
+    capabilities = Capabilities(("sequence",), splits_tables=True)
+
     def __init__(self, dedup_ids: bool = False, name: str = "row_wise"):
         self.dedup_ids, self.name = dedup_ids, name
 
@@ -51,6 +54,8 @@ class RowWiseSharder:
 class TableRowWiseSharder:
     """Each table on one host (largest dim x pooling factor first, onto the host with the least
     so far that has room on all its devices), rows in blocks over the host's devices."""
+
+    capabilities = Capabilities(("sequence",), splits_tables=True)
 
     def __init__(self, name: str = "table_row_wise"):
         self.name = name
@@ -84,6 +89,8 @@ class TableRowWiseSharder:
 
 class DataParallelSharder:
     """Every table replicated on every device (replica k on device k)."""
+
+    capabilities = Capabilities(("sequence",), splits_tables=False)
 
     def __init__(self, name: str = "data_parallel"):
         self.name = name
@@ -124,6 +131,8 @@ class HugeCTRHybridSharder:
     The rest of each table is split over all devices in row blocks (HugeCTR spreads its
     infrequent categories round-robin over all GPUs).
     """
+
+    capabilities = Capabilities(("sequence",), splits_tables=True)
 
     def __init__(self, fit_batches: int = 4, seed: int = 0, name: str = "hugectr_hybrid"):
         self.split = BatchSplit(fit_batches, 1, seed)

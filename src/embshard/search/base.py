@@ -1,11 +1,36 @@
-"""The Sharder protocol every search algorithm and baseline implements."""
+"""The Sharder protocol every search algorithm and baseline implements, and what each declares
+it can do (`Capabilities`), so a caller can refuse a task an algorithm is not meant for
+instead of letting it run without a word (embshard.compare.refusal)."""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
 
 from embshard.plan import Plan
 from embshard.task import Task
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an algorithm is meant for.
+
+    Args:
+        table_kinds: the table kinds (`embshard.tables.TABLE_KINDS`) it is meant for. A task
+            with no table of these kinds is refused; an algorithm not meant for sequence
+            tables also refuses a task holding any (its cost models, policy or TorchRec's
+            EmbeddingBagCollection model pooled lookups only). One meant for sequence tables
+            may carry pooled tables beside them: the sequence data path runs both.
+        splits_tables: whether it splits a table (columns or rows) over devices; infeasibility
+            errors of the others name the ones that do.
+    """
+
+    table_kinds: tuple[str, ...]
+    splits_tables: bool
+
+
+#: whole tables of either kind, one device each (the table-wise heuristics)
+WHOLE_TABLES = Capabilities(("pooled", "sequence"), splits_tables=False)
 
 
 @runtime_checkable
@@ -14,5 +39,6 @@ class Sharder(Protocol):
     shortfall in bytes) when it cannot place everything within memory; never drops a table."""
 
     name: str
+    capabilities: ClassVar[Capabilities]
 
     def shard(self, task: Task) -> Plan: ...

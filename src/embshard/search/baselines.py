@@ -17,6 +17,7 @@ import numpy as np
 
 from embshard.errors import InputError
 from embshard.plan import MemoryLedger, Plan, Shard
+from embshard.search.base import WHOLE_TABLES
 from embshard.tables import Table
 from embshard.task import Task
 
@@ -36,6 +37,8 @@ class GreedySharder:
         key: one of COST_KEYS (size, dim, lookup, size_lookup).
         name: algorithm name written into plans (defaults to `<key>_greedy`).
     """
+
+    capabilities = WHOLE_TABLES
 
     def __init__(self, key: str, name: str | None = None):
         if key not in COST_KEYS:
@@ -59,6 +62,8 @@ class GreedySharder:
 class RandomSharder:
     """Each table on a uniformly random device among those with room."""
 
+    capabilities = WHOLE_TABLES
+
     def __init__(self, seed: int = 0, name: str = "random"):
         self.seed = seed
         self.name = name
@@ -75,6 +80,8 @@ class RandomSharder:
 
 class RoundRobinSharder:
     """Tables in task order onto devices 0, 1, 2, …, skipping devices without room."""
+
+    capabilities = WHOLE_TABLES
 
     def __init__(self, name: str = "round_robin"):
         self.name = name
@@ -95,6 +102,8 @@ class PileUpSharder:
     """A deliberately poor plan, the floor of end-to-end comparisons: the heaviest tables
     (by lookup cost, dim x pooling factor) all onto device 0 while memory allows, what does
     not fit onto device 1, and so on. Memory-safe like every baseline."""
+
+    capabilities = WHOLE_TABLES
 
     def __init__(self, name: str = "pile_up"):
         self.name = name

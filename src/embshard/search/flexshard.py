@@ -20,6 +20,7 @@ from embshard.flexshard.layout import Tiers, check_fits, tier_layout
 from embshard.flexshard.stats import BatchSplit, task_access_stats
 from embshard.flexshard.tiers import TableTiers, memory_per_device, modeled_ms, row_costs, solve
 from embshard.plan import Plan
+from embshard.search.base import Capabilities
 from embshard.search.baselines import GreedySharder
 from embshard.task import Task
 
@@ -33,6 +34,8 @@ class FlexShardSharder:
         dedup_ids: the plan's data path sends each distinct id once per device and table.
         max_rounds: memory-fit iterations (each lowers the budget by the last overshoot).
     """
+
+    capabilities = Capabilities(("sequence",), splits_tables=True)
 
     def __init__(self, fit_batches: int = 4, seed: int = 0, dedup_ids: bool = False, max_rounds: int = 8,
                  name: str = "flexshard"):

@@ -57,6 +57,7 @@ import numpy as np
 from embshard.costs.base import DeviceCosts
 from embshard.costs.features import planning_view
 from embshard.errors import InfeasibleError, InputError
+from embshard.search.base import Capabilities
 from embshard.plan import MemoryLedger, Plan, Shard, even_row_layout, normalize, piece_table, validate
 from embshard.search.simulator import AnalyticPredictor, ShardPredictor, Simulator, batch_ratio, scale_costs
 from embshard.tables import DIM_ALIGNMENT, Table
@@ -68,6 +69,8 @@ ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CAPS: tuple[float, ...] = tuple(round(1.0 + 0.05 * i, 2) for i in range(11))
 INCREMENTAL_MIN_DEVICES = 16
 BUILD_COMMAND = "python train.py stage=pretrain"
+#: the shipped cost models (relative to the project root): what NeuroShardSharder() searches against
+DEFAULT_CHECKPOINT = "checkpoints/cpu_fbgemm/cost_models.pt"
 FREE = -1  # a piece the greedy places (all rows); >= 0: a row block fixed on that device
 
 #: A piece spec: (table name, col_offset, dim, device of a row block or FREE, number of row
@@ -535,7 +538,7 @@ class NeuroShardSearch:
                 options = [s for s in state if s[0] == e.table and s[3] == FREE and halvable(s[2])]
                 if options:
                     largest = max(options, key=lambda s: (s[2], -s[1]))
-                    log.info("neuroshard: %s does not fit whole; halving piece %s", e.table, largest)
+                    log.debug("neuroshard: %s does not fit whole; halving piece %s", e.table, largest)
                     state = halve(state, largest)
                     continue
                 if not self.row_wise or any(s[0] == e.table and s[3] != FREE for s in state):
@@ -545,8 +548,8 @@ class NeuroShardSearch:
                 for group in sorted(self.row_groups, key=len, reverse=True):
                     try:
                         nxt = row_split(whole, (t.name, 0, t.dim, FREE, 0), group)
-                        log.info("neuroshard: %s does not fit in column pieces; splitting it by rows over %s",
-                                 e.table, group)
+                        log.debug("neuroshard: %s does not fit in column pieces; splitting it by rows over %s",
+                                  e.table, group)
                         return self.rescue(nxt)
                     except InfeasibleError as again:
                         if again.table != e.table:
@@ -658,14 +661,16 @@ class NeuroShardSharder:
 
     Args:
         checkpoint: the pre-trained cost models (`NeuralCostModels.load`); relative paths
-            resolve against the project root. None: the analytic stand-in.
+            resolve against the project root. Default: the shipped ones (DEFAULT_CHECKPOINT).
+            A checkpoint that is missing or cannot be loaded is an InputError when the search
+            runs (shard.py: that algorithm's row is INVALID), never a quiet change of model.
+            None: search against the analytic stand-in instead, on purpose; either way
+            `last_search_info` (report.json: `search_info`) names the model searched against.
         beam_width, beam_steps, candidates: the beam search over splits.
         caps: balance caps on per-device embedding width (× the even share).
         column_wise: column halvings in the beam (memory-forced splits happen regardless).
         row_wise: row splits (TorchRec row-wise, or table-row-wise per host) in the beam.
         beam_max_work: run the beam only when pieces × devices ≤ this (None: always).
-        fallback: when the checkpoint file is missing or cannot be loaded, "analytic"
-            warns and uses the analytic model; "error" raises InputError.
         predictor: a ShardPredictor to use directly (tests, notebooks); overrides checkpoint.
         delay_round_ms: rounding of compute delays in the comm cache key.
         incremental: when the predictor exposes `table_encodings`/`head_ms` with an
@@ -682,9 +687,12 @@ class NeuroShardSharder:
         verify_rounds: interleaving rounds of the guard's measurement.
     """
 
+    #: cost models of pooled kernels; splits columns and rows
+    capabilities = Capabilities(("pooled",), splits_tables=True)
+
     def __init__(
         self,
-        checkpoint: str | os.PathLike | None = None,
+        checkpoint: str | os.PathLike | None = DEFAULT_CHECKPOINT,
         beam_width: int = 3,
         beam_steps: int = 10,
         candidates: int = 10,
@@ -692,7 +700,6 @@ class NeuroShardSharder:
         column_wise: bool = True,
         row_wise: bool = True,
         beam_max_work: int | None = 8192,
-        fallback: str = "analytic",
         name: str = "neuroshard",
         predictor: ShardPredictor | None = None,
         delay_round_ms: float = 0.01,
@@ -701,8 +708,6 @@ class NeuroShardSharder:
         verify_heuristics: Sequence[str] = ("size_lookup_greedy", "lookup_greedy", "dim_greedy", "size_greedy"),
         verify_rounds: int = 3,
     ):
-        if fallback not in ("analytic", "error"):
-            raise InputError(f"neuroshard: fallback must be 'analytic' or 'error', got {fallback!r}")
         for k, v in (("beam_width", beam_width), ("beam_steps", beam_steps), ("candidates", candidates)):
             if int(v) < 0:
                 raise InputError(f"neuroshard: {k} must be >= 0, got {v!r}")
@@ -727,7 +732,6 @@ class NeuroShardSharder:
         self.column_wise = bool(column_wise)
         self.row_wise = bool(row_wise)
         self.beam_max_work = None if beam_max_work is None else int(beam_max_work)
-        self.fallback = fallback
         self.name = name
         self.delay_round_ms = float(delay_round_ms)
         if incremental not in (True, False, "auto"):
@@ -740,6 +744,10 @@ class NeuroShardSharder:
         self.evaluator: Any = None
         self._predictor = predictor
         self._loaded = predictor is not None
+        #: the model searched against, once known (report.json: search_info)
+        self._model_info: dict[str, Any] = (
+            {"cost_model": type(predictor).__name__, "checkpoint": None} if predictor is not None else {}
+        )
         self._simulators: dict[int, Simulator] = {}
         self.last_search_seconds: float | None = None
         self.last_predicted_cost_ms: float | None = None
@@ -747,27 +755,31 @@ class NeuroShardSharder:
         self.last_stats: dict[str, object] = {}
         self.last_guard: GuardResult | None = None
         self.last_search_pick: Plan | None = None
+        self.last_search_info: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ predictor
     def load_predictor(self) -> ShardPredictor | None:
-        """The neural models from the checkpoint (once), or None for the analytic stand-in.
-        Raises InputError when fallback="error" and they cannot be had."""
+        """The neural models from the checkpoint (once), or None for the analytic stand-in
+        (checkpoint=None). Raises InputError when the checkpoint is missing or cannot be loaded."""
         if self._loaded:
             return self._predictor
-        self._loaded = True
         if self.checkpoint is None:
-            log.info("neuroshard: no checkpoint configured; searching against the analytic cost model")
+            log.info("%s: checkpoint=None: searching against the analytic cost model", self.name)
+            self._loaded = True
+            self._model_info = {"cost_model": "analytic", "checkpoint": None}
             return None
         path = resolve_path(self.checkpoint)
         if not path.is_file():
-            msg = f"neuroshard: cost-model checkpoint {path} not found; build it with `{BUILD_COMMAND}`"
-            if self.fallback == "error":
-                raise InputError(msg)
-            log.warning("%s (searching against the analytic cost model instead)", msg)
-            return None
+            raise InputError(f"{self.name}: cost-model checkpoint {path} not found; build it with `{BUILD_COMMAND}`, "
+                             "or set checkpoint=null to search against the analytic cost model")
         from embshard.costs.neural import NeuralCostModels
 
-        self._predictor = NeuralCostModels.load(path)
+        try:
+            self._predictor = NeuralCostModels.load(path)
+        except InputError as e:
+            raise InputError(f"{self.name}: {str(e).splitlines()[0]}") from None
+        self._loaded = True
+        self._model_info = {"cost_model": "neural", "checkpoint": str(path)}
         return self._predictor
 
     def simulator_for(self, task: Task) -> Simulator:
@@ -829,6 +841,8 @@ class NeuroShardSharder:
                                  "one; or set searchers.neuroshard.verify=0)")
             plan = self._guard(task, found[:k], start)
         self.last_search_seconds = time.perf_counter() - start
+        # beam false: the task was over beam_max_work (table-wise grid and memory-forced splits only)
+        self.last_search_info = {**self._model_info, "beam": search.beam_ran}
         self.last_costs = self.predicted_costs(task, plan)
         self.last_predicted_cost_ms = self.last_costs.plan_cost_ms
         self.last_stats = {
@@ -853,7 +867,7 @@ class NeuroShardSharder:
                 hp = GreedySharder(self._heuristic_keys[h], name=h).shard(task)
                 validate(task, hp)
             except EmbshardError as e:
-                log.info("neuroshard guard: %s has no valid plan for %s (%s)", h, task.name, e)
+                log.debug("neuroshard guard: %s has no valid plan for %s (%s)", h, task.name, e)
                 continue
             labelled.append((h, "heuristic", hp))
         unique: dict[tuple, int] = {}

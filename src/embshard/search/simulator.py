@@ -9,8 +9,9 @@ A *shard predictor* (`ShardPredictor`) is the one interface the search talks to:
   device) and backward all-to-all time for `[n, D]` embedding widths and compute delays.
 
 The trained neural bundle (`embshard.costs.neural.NeuralCostModels`) implements it;
-`AnalyticPredictor` adapts the closed-form `AnalyticCostModel` to it (a stand-in for tests
-and the fallback when no checkpoint exists).
+`AnalyticPredictor` adapts the closed-form `AnalyticCostModel` to it (a stand-in for tests,
+and what NeuroShard searches against when asked to with checkpoint=None; a missing checkpoint
+is an error, never a quiet switch to it).
 
 `Simulator` turns per-device piece lists into `DeviceCosts` the way the hardware evaluator
 defines measured costs (`hardware/evaluator.py`): compute per device (all devices in one

@@ -32,9 +32,11 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from embshard.errors import InfeasibleError, PlanError
 from embshard.plan import Plan, validate
+from embshard.search.base import Capabilities
 from embshard.task import Task
 from embshard.torchrec_bridge import plan_from_torchrec, task_to_ebc
 
@@ -74,6 +76,8 @@ class TorchRecPlanner:
         quiet: silence TorchRec's planner log and warnings.
     """
 
+    #: it plans an EmbeddingBagCollection: pooled tables only
+    capabilities: ClassVar[Capabilities] = Capabilities(("pooled",), splits_tables=True)
     sharding_types: tuple[str, ...] = DEFAULT_SHARDING_TYPES
     compute_device: str = "cuda"
     storage_reservation_percentage: float = 0.0
@@ -130,6 +134,12 @@ class TorchRecPlanner:
             cap = int(cap * task.device_memory_bytes / used[worst] * 0.99)
         assert overflow is not None
         raise overflow
+
+    @property
+    def last_search_info(self) -> dict[str, int | None]:
+        """report.json `search_info`: attempts above 1 re-planned with TorchRec's capacity
+        shrunk to `hbm_cap_bytes` because its plan overflowed our memory model."""
+        return {"attempts": self.last_attempts, "hbm_cap_bytes": self.last_hbm_cap}
 
     # ------------------------------------------------------------------ TorchRec
     def _plan_once(self, task: Task, hbm_cap: int):

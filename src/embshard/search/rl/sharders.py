@@ -21,7 +21,8 @@ import torch
 from embshard.errors import InputError
 from embshard.hardware.protocol import torch_threads
 from embshard.plan import Plan, validate
-from embshard.search.rl.checkpoint import load_checkpoint
+from embshard.search.base import Capabilities
+from embshard.search.rl.checkpoint import load_checkpoint, resolve_path
 from embshard.search.rl.env import best_plan
 from embshard.task import Task
 
@@ -41,6 +42,8 @@ class RLSharder:
     """
 
     algorithm = "rl"
+    #: policies trained on pooled tasks; whole tables only
+    capabilities = Capabilities(("pooled",), splits_tables=False)
 
     def __init__(self, checkpoint: str | os.PathLike, samples: int = 0, sample_max_work: int | None = 200_000,
                  seed: int = 0, num_threads: int | None = 1, name: str | None = None):
@@ -57,6 +60,7 @@ class RLSharder:
         self.last_search_seconds: float | None = None
         self.last_predicted_cost_ms: float | None = None
         self.last_stats: dict[str, Any] = {}
+        self.last_search_info: dict[str, Any] = {}
 
     def load(self) -> Any:
         if self._agent is None:
@@ -80,6 +84,9 @@ class RLSharder:
         self.last_search_seconds = time.perf_counter() - start
         self.last_predicted_cost_ms = estimate_ms
         self.last_stats = {"samples": samples, "estimated_ms": estimate_ms}
+        # samples below samples_requested: the task was over sample_max_work (argmax only)
+        self.last_search_info = {"checkpoint": str(resolve_path(self.checkpoint)), "samples": samples,
+                                 "samples_requested": self.samples}
         if samples < self.samples:
             log.info("%s: %s has %d tables x %d devices; argmax only (sample_max_work=%s)", self.name, task.name,
                      len(task.tables), task.num_devices, self.sample_max_work)
