@@ -54,6 +54,7 @@ def run(cfg: DictConfig) -> float | None:
     from hydra.utils import get_class, instantiate
 
     from embshard.compare import EVALUATE_MODES, evaluate_task, memory_shortfall, plan_task
+    from embshard.hardware.probe import use_probe
     from embshard.report import format_results, format_table, summarize
     from embshard.task import load_tasks
 
@@ -75,30 +76,36 @@ def run(cfg: DictConfig) -> float | None:
             from embshard.data.default import build_default_tasks
 
             tasks = build_default_tasks(cfg.default_tasks, staging / "default_tasks", seed=cfg.seed)
-        sharders = {name: instantiate(cfg.searchers[name]) for name in algorithms}
-        # what every known algorithm is meant for, read off its class: infeasibility hints name them
-        catalogue = {name: get_class(cfg.searchers[name]._target_).capabilities for name in cfg.searchers}
-        cost_model = instantiate(cfg.cost_model) if estimating else None
         evaluator = instantiate(cfg.hardware) if cfg.evaluate == "measured" else None
-        for sharder in sharders.values():  # NeuroShard's measured guard (verify=auto: on when measuring)
-            if callable(getattr(sharder, "attach_evaluator", None)):
-                sharder.attach_evaluator(evaluator)
-        if cfg.evaluate == "traffic":
-            evaluator = instantiate(cfg.traffic)
-            for task in tasks:  # traces long enough for the fit and held-out steps, before any planning
-                evaluator.check_task(task)
+        # a measuring session times the machine's speed probe first; learned cost models loaded
+        # from here on rescale themselves to it (report.json: probe, rescale)
+        probe = evaluator.session_probe() if evaluator is not None else None
+        with use_probe(probe):
+            sharders = {name: instantiate(cfg.searchers[name]) for name in algorithms}
+            # what every known algorithm is meant for, read off its class: infeasibility hints name them
+            catalogue = {name: get_class(cfg.searchers[name]._target_).capabilities for name in cfg.searchers}
+            cost_model = instantiate(cfg.cost_model) if estimating else None
+            for sharder in sharders.values():  # NeuroShard's measured guard (verify=auto: on when measuring)
+                if callable(getattr(sharder, "attach_evaluator", None)):
+                    sharder.attach_evaluator(evaluator)
+            if cfg.evaluate == "traffic":
+                evaluator = instantiate(cfg.traffic)
+                for task in tasks:  # traces long enough for the fit and held-out steps, before any planning
+                    evaluator.check_task(task)
 
-        results = []
-        for task in tasks:
-            log.info("task %s: %d tables on %d devices", task.name, len(task.tables), task.num_devices)
-            task_results = plan_task(task, sharders, catalogue)
-            evaluate_task(task, task_results, cfg.evaluate, cost_model, evaluator, rounds=cfg.rounds)
-            results += task_results
+            results = []
+            for task in tasks:
+                log.info("task %s: %d tables on %d devices", task.name, len(task.tables), task.num_devices)
+                task_results = plan_task(task, sharders, catalogue)
+                evaluate_task(task, task_results, cfg.evaluate, cost_model, evaluator, rounds=cfg.rounds)
+                results += task_results
+        if judge is not None:
+            judge = {**judge, "rescale": getattr(cost_model, "rescale", None)}
 
         metric = {"measured": "measured_cost_ms", "traffic": "modeled_comm_ms"}.get(cfg.evaluate, "estimated_cost_ms")
         shown = metric if cfg.evaluate != "none" else "search_seconds"  # what the tables compare
         summary = summarize(results, shown)
-        written = _write_outputs(staging, cfg, tasks, results, summary, metric, judge)
+        written = _write_outputs(staging, cfg, tasks, results, summary, metric, judge, probe)
         if not cfg.task_file:
             written.insert(0, "default_tasks/")
         _publish(staging, out_dir)
@@ -175,7 +182,7 @@ def _estimate_caption(judge: dict[str, str | None], results) -> str:
 
 
 def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metric: str,
-                   judge: dict[str, str | None] | None) -> list[str]:
+                   judge: dict[str, str | None] | None, probe=None) -> list[str]:
     """Write everything into `staging`; returns the names written (what the run may claim)."""
     from embshard.io import write_json_atomic, write_text_atomic
     from embshard.report import plot_costs
@@ -191,8 +198,12 @@ def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metr
     report = {
         "evaluate": cfg.evaluate,
         "metric": metric,
-        # the model that estimated `estimated_cost_ms` (null: nothing was estimated)
+        # the model that estimated `estimated_cost_ms` (null: nothing was estimated), and how
+        # it was rescaled to this session's probe
         "cost_model": judge,
+        # the measurement protocol and the speed probe of this measuring session (null: none)
+        "measure": OmegaConf.to_container(cfg.measure, resolve=True) if cfg.evaluate == "measured" else None,
+        "probe": probe.to_dict() if probe is not None else None,
         "tasks": [t.name for t in tasks],
         "results": [r.to_dict() for r in results],
         "summary": summary,

@@ -58,9 +58,11 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def measure_round(tasks: list[Task], sharders: Mapping[str, Any], models: Any, evaluator: Any, round_index: int,
-                  progress: bool = True) -> tuple[list[dict], list[dict], list[dict]]:
+                  progress: bool = True, probe_id: str | None = None) -> tuple[list[dict], list[dict], list[dict]]:
     """Plan every task with every sharder, predict, measure. Returns (compute samples, comm
-    samples, plan rows); each sample carries the prediction made before measuring."""
+    samples, plan rows); each sample carries the prediction made before measuring, and the id
+    of the round's speed probe (`probe_id`) when there is one."""
+    tag = {"probe": probe_id} if probe_id is not None else {}
     from embshard.plan import validate
 
     compute_rows, comm_rows, plan_rows = [], [], []
@@ -94,7 +96,7 @@ def measure_round(tasks: list[Task], sharders: Mapping[str, Any], models: Any, e
                     compute_rows.append(compute_record(
                         f"refine{round_index}-{task.name}-{name}-d{dev}", "train", rec, task.batch_size,
                         meas.compute_ms[dev], meas.compute_spread_ms[dev],
-                        origin=name, round=round_index, task=task.name, predicted_ms=pred.compute_ms[dev]))
+                        origin=name, round=round_index, task=task.name, predicted_ms=pred.compute_ms[dev], **tag))
                 if task.num_devices > 1:
                     lo = min(meas.compute_ms)
                     comm_rows.append(comm_record(
@@ -102,7 +104,7 @@ def measure_round(tasks: list[Task], sharders: Mapping[str, Any], models: Any, e
                         [round(c - lo, 3) for c in meas.compute_ms], meas.forward_comm_ms, meas.backward_comm_ms,
                         meas.forward_comm_spread_ms, meas.backward_comm_spread_ms, origin=name, round=round_index,
                         task=task.name, predicted_forward_ms=pred.forward_comm_ms,
-                        predicted_backward_ms=pred.backward_comm_ms))
+                        predicted_backward_ms=pred.backward_comm_ms, **tag))
                 plan_rows.append({"task": task.name, "algorithm": name, "num_devices": task.num_devices,
                                   "batch_size": task.batch_size, "predicted_ms": pred.plan_cost_ms,
                                   "measured_ms": meas.plan_cost_ms, "spread_ms": meas.plan_cost_spread_ms})
@@ -149,7 +151,9 @@ def refine(cfg: Mapping[str, Any], pretrain_cfg: Any, make_tasks: Callable[[int]
         make_sharders: checkpoint path -> {algorithm name: sharder}.
         evaluator: a HardwareEvaluator.
     """
+    from embshard.costs.collect.profile import PROBES, save_probe
     from embshard.costs.neural import NeuralCostModels, load_comm_samples, load_compute_samples
+    from embshard.hardware.probe import use_probe
 
     out = Path(out_dir)
     rounds, stop_ratio = int(cfg["rounds"]), float(cfg["stop_ratio"])
@@ -166,20 +170,28 @@ def refine(cfg: Mapping[str, Any], pretrain_cfg: Any, make_tasks: Callable[[int]
         for name in ("compute.jsonl", "comm.jsonl"):
             shutil.copyfile(base / name, data / name)
         shutil.copyfile(base / PROFILE, data / PROFILE)
+        if (base / PROBES).is_dir():
+            shutil.copytree(base / PROBES, data / PROBES)
     history: list[dict[str, Any]] = []
     for r in range(rounds):
         ckpt = Path(cfg["checkpoint"]) if r == 0 and cfg.get("checkpoint") else out / f"round{r}" / "cost_models.pt"
         if not ckpt.exists():
             log.info("refine round %d: pre-training on %s", r, data)
             pretrain(pretrain_cfg, data, ckpt.parent)
-        models = NeuralCostModels.load(ckpt)
         rd = out / "rounds" / f"round{r}"
         if (rd / "metrics.json").exists():  # measured before a restart
             with open(rd / "metrics.json") as f:
                 history.append(json.load(f))
             continue
         t0 = time.perf_counter()
-        compute_rows, comm_rows, plan_rows = measure_round(make_tasks(r), make_sharders(ckpt), models, evaluator, r)
+        # the round is a measuring session: its probe is timed first, the round's models (and
+        # the sharders' copies) rescale to it, and its measurements name it
+        probe = evaluator.session_probe(refresh=True) if evaluator.protocol.probe else None
+        probe_id = save_probe(data, probe, 0) if probe is not None else None
+        with use_probe(probe):
+            models = NeuralCostModels.load(ckpt)
+            compute_rows, comm_rows, plan_rows = measure_round(make_tasks(r), make_sharders(ckpt), models, evaluator, r,
+                                                               probe_id=probe_id)
         random_test = models.metrics.get("compute", {}).get("test") or {}
         scores = score_round(compute_rows, comm_rows, plan_rows)
         if "neuroshard" not in scores["compute"]:  # the loop is about the search's shards: none, no round

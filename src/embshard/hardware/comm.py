@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -66,6 +66,9 @@ class CommResult:
     #: raw samples, [rank][repetition]
     forward_samples_ms: list[list[float]]
     backward_samples_ms: list[list[float]]
+    #: per rank, the relative half-width of the bootstrap 95% interval of the median
+    forward_noise: list[float] = field(default_factory=list)
+    backward_noise: list[float] = field(default_factory=list)
 
     @classmethod
     def zero(cls, num_devices: int, repetitions: int = 0) -> "CommResult":
@@ -196,6 +199,8 @@ def measure_comm(
                 backward_spread_ms=[t.spread_ms for t in tb],
                 forward_samples_ms=fw,
                 backward_samples_ms=bw,
+                forward_noise=[t.noise for t in tf],
+                backward_noise=[t.noise for t in tb],
             )
         )
     return out

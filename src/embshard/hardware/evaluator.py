@@ -80,10 +80,10 @@ class HardwareEvaluator:
         self.comm_timeout_s = comm_timeout_s
         self.probe: "Probe | None" = None
 
-    def session_probe(self) -> "Probe | None":
+    def session_probe(self, refresh: bool = False) -> "Probe | None":
         """The speed probe of this measuring session: timed on first use (when the protocol
-        asks for it), then reused."""
-        if self.probe is None and self.protocol.probe:
+        asks for it), then reused; `refresh` times it again (a new session of a long run)."""
+        if (self.probe is None or refresh) and self.protocol.probe:
             from embshard.hardware.probe import run_probe
 
             self.probe = run_probe(self.protocol, backend=self.backend, device=self.device,

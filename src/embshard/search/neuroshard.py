@@ -779,7 +779,7 @@ class NeuroShardSharder:
         except InputError as e:
             raise InputError(f"{self.name}: {str(e).splitlines()[0]}") from None
         self._loaded = True
-        self._model_info = {"cost_model": "neural", "checkpoint": str(path)}
+        self._model_info = {"cost_model": "neural", "checkpoint": str(path), "rescale": self._predictor.rescale}
         return self._predictor
 
     def simulator_for(self, task: Task) -> Simulator:

@@ -240,7 +240,7 @@ def _compute_chunk(c: dict[str, Any], chunk: int, train: list, test: list, dims:
     )
     return [
         compute_record(f"compute-{chunk:06d}-{i:03d}", side, [piece_record(t, sh, batch) for t, sh in s], batch,
-                       tm.median_ms, tm.spread_ms, tm.samples_ms)
+                       tm.median_ms, tm.spread_ms, tm.samples_ms, noise=round(tm.noise, 5))
         for i, (s, side, tm) in enumerate(zip(shards, splits, timings))
     ]
 
@@ -267,4 +267,7 @@ def _comm_chunk(c: dict[str, Any], chunk: int, protocol: MeasurementProtocol) ->
     results = measure_comm(configs, batch, protocol=protocol,
                            backend=m["backend"], timeout_s=m["timeout_s"])
     return [comm_record(f"comm-{chunk:06d}-{i:03d}", batch, cfg.widths, cfg.delays_ms, res.forward_ms, res.backward_ms,
-                        res.forward_spread_ms, res.backward_spread_ms) for i, (cfg, res) in enumerate(zip(configs, results))]
+                        res.forward_spread_ms, res.backward_spread_ms,
+                        forward_noise=[round(x, 5) for x in res.forward_noise],
+                        backward_noise=[round(x, 5) for x in res.backward_noise])
+            for i, (cfg, res) in enumerate(zip(configs, results))]
