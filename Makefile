@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv clean checkpoint calibrate neuroshard-eval trust-eval e2e flexshard rl-checkpoints rl-eval rl-ablation rl-bench
+.PHONY: demo test venv clean checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard rl-checkpoints rl-eval rl-ablation rl-bench
 
 venv: $(STAMP)
 
@@ -77,23 +77,51 @@ trust-eval: $(STAMP)
 	$(PY) scripts/summarize_improvement.py $(UE)/runs/report.json --markdown
 	$(PY) scripts/eval_fidelity.py $(UE)/runs/report.json $(NS)/runs/4dev/report.json $(NS)/runs/8dev/report.json --by-algorithm
 
-# End to end on this CPU: the embedding-heavy DLRM task (32 tables, 2 devices), its plans
-# measured by shard.py, then the same DLRM trained under each plan with 2 gloo processes,
-# interleaved (throughput.json/.png), and a 300-step training run under NeuroShard's plan
-# (loss curve). About 10 min here. GPU recipe: docs/e2e.md, "On GPUs".
+# End to end on this CPU: the embedding-heavy DLRM task (32 tables, 2 devices), planned by 7
+# algorithms and measured by shard.py (kernels + pooled all-to-all); the same plan files measured
+# as DistributedModelParallel's embedding step (scripts/measure_plans.py --step dmp: the input
+# ids' all-to-all, bucketizing, lookups, output distribution, backward); then the same DLRM
+# trained under each plan with 2 gloo processes, interleaved, three times (throughput_rep1..3:
+# samples/s, and Kendall tau between throughput and each measured cost); and a 300-step
+# training run under NeuroShard's plan (loss curve). About 40 min here. GPU recipe:
+# docs/e2e.md, "On GPUs".
 E2E := experiments/e2e
 E2E_PLANS := $(E2E)/shard/plans
+E2E_ALGOS := neuroshard torchrec size_greedy size_lookup_greedy dim_greedy lookup_greedy pile_up
+E2E_PLAN_FILES := $(foreach a,$(E2E_ALGOS),$(E2E_PLANS)/$(a).json)
+comma := ,
+empty :=
+space := $(empty) $(empty)
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node 2
 
 e2e: $(STAMP)
 	$(PY) train.py stage=dlrm_task experiment=e2e_embedding_heavy out_dir=$(E2E)
-	$(PY) shard.py task_file=$(E2E)/task.json algorithms=[neuroshard,torchrec,size_greedy,lookup_greedy,pile_up] \
+	$(PY) shard.py task_file=$(E2E)/task.json algorithms=[$(subst $(space),$(comma),$(E2E_ALGOS))] \
 		out_dir=$(E2E)/shard
-	$(TORCHRUN) train.py stage=throughput experiment=e2e_embedding_heavy dlrm.task_file=$(E2E)/task.json \
-		dlrm.plans=[$(E2E_PLANS)/neuroshard.json,$(E2E_PLANS)/torchrec.json,$(E2E_PLANS)/size_greedy.json,$(E2E_PLANS)/lookup_greedy.json,$(E2E_PLANS)/pile_up.json] \
-		dlrm.shard_report=$(E2E)/shard/report.json out_dir=$(E2E)/throughput
+	$(PY) scripts/measure_plans.py --task $(E2E)/task.json --plans $(E2E_PLAN_FILES) --step dmp --out $(E2E)/shard_dmp
+	for rep in 1 2 3; do \
+		$(TORCHRUN) train.py stage=throughput experiment=e2e_embedding_heavy dlrm.task_file=$(E2E)/task.json \
+			dlrm.plans=[$(subst $(space),$(comma),$(E2E_PLAN_FILES))] \
+			dlrm.shard_report=[$(E2E)/shard/report.json,$(E2E)/shard_dmp/report.json] \
+			out_dir=$(E2E)/throughput_rep$$rep || exit 1; \
+	done
+	$(PY) scripts/e2e_tau.py $(E2E)/throughput_rep1 $(E2E)/throughput_rep2 $(E2E)/throughput_rep3
 	$(TORCHRUN) train.py stage=dlrm experiment=e2e_embedding_heavy dlrm.task_file=$(E2E)/task.json \
 		dlrm.plan=$(E2E_PLANS)/neuroshard.json dlrm.steps=300 out_dir=$(E2E)/train_neuroshard
+
+# Measurements that reproduce (docs/measurement.md): the same 64 random shards and 10 plans
+# measured in separate sessions, idle and beside a CPU-bound process, under today's protocol
+# (measure=cpu) and the one before it (legacy); per shard the median |difference| and the
+# plans' Kendall tau between sessions. About 25 min here.
+DRIFT := experiments/drift
+
+drift: $(STAMP)
+	$(PY) scripts/drift_test.py prepare --out $(DRIFT)
+	for p in legacy cpu; do \
+		$(PY) scripts/drift_test.py session --out $(DRIFT) --protocol $$p --label idle || exit 1; \
+		$(PY) scripts/drift_test.py session --out $(DRIFT) --protocol $$p --label busy --load cpu || exit 1; \
+	done
+	$(PY) scripts/drift_test.py compare --out $(DRIFT)
 
 # DreamShard and AutoShard on this CPU (docs/rl.md). Policies are trained
 # on tasks of the train half of the 128-table pool at 4 devices (their plans measured on

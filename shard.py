@@ -185,7 +185,9 @@ def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metr
                    judge: dict[str, str | None] | None, probe=None) -> list[str]:
     """Write everything into `staging`; returns the names written (what the run may claim)."""
     from embshard.io import write_json_atomic, write_text_atomic
-    from embshard.report import plot_costs
+    from embshard.report import plot_costs, vs_best_heuristic
+
+    vs_heur = vs_best_heuristic(results, metric)
 
     written = ["report.json"]
     for r in results:
@@ -205,7 +207,8 @@ def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metr
         "measure": OmegaConf.to_container(cfg.measure, resolve=True) if cfg.evaluate == "measured" else None,
         "probe": probe.to_dict() if probe is not None else None,
         "tasks": [t.name for t in tasks],
-        "results": [r.to_dict() for r in results],
+        # per result: the ratio to its task's best heuristic, with the paired interval
+        "results": [r.to_dict() | {"vs_best_heuristic": vs_heur.get((r.task, r.algorithm))} for r in results],
         "summary": summary,
     }
     write_json_atomic(staging / "report.json", report)

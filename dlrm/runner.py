@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import time
 import warnings
@@ -30,6 +29,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from embshard.errors import InputError
+from embshard.hardware.protocol import MeasurementProtocol
 from embshard.plan import Plan
 from embshard.task import Task
 
@@ -70,16 +70,25 @@ def pick_accelerator(name: str) -> str:
 class Session:
     """Fabric launched for this run: process group, device, shared run dir, rank-0 loggers."""
 
-    def __init__(self, ranks: Ranks, accelerator: str, backend: str | None, timeout_s: float, threads: int | None):
+    def __init__(self, ranks: Ranks, accelerator: str, backend: str | None, timeout_s: float,
+                 protocol: "MeasurementProtocol | None" = None):
+        """`protocol`: the measurement protocol's process settings for this rank (local rank k
+        pinned to its cores of the allowed set, its thread count, its allocator), as every
+        measuring process; None: unpinned, cores / local processes threads on CPU."""
         from lightning_fabric import Fabric
         from lightning_fabric.strategies import DDPStrategy
+
+        from embshard.hardware.protocol import allowed_cores, set_worker_process
 
         self.ranks = ranks
         self.accelerator = accelerator
         self.backend = backend or ("nccl" if accelerator == "cuda" else "gloo")
-        if accelerator == "cpu":
+        self.process = None
+        if protocol is not None:
+            self.process = set_worker_process(protocol, ranks.local_rank, allowed_cores())  # same order on every rank
+        elif accelerator == "cpu":
             cores = os.cpu_count() or 1
-            torch.set_num_threads(threads or max(1, cores // max(1, ranks.local_world_size)))
+            torch.set_num_threads(max(1, cores // max(1, ranks.local_world_size)))
         self.fabric = Fabric(
             accelerator=accelerator,
             devices=ranks.local_world_size,

@@ -105,7 +105,10 @@ class Run:
         from dlrm.runner import Session
 
         d = self.d
-        self.session = Session(self.ranks, self.accelerator, d.backend, d.timeout_s, d.threads_per_rank)
+        from embshard.hardware.protocol import MeasurementProtocol
+
+        self.session = Session(self.ranks, self.accelerator, d.backend, d.timeout_s,
+                               MeasurementProtocol.from_config(self.cfg.measure))
         self.session.check_same("the plans (planners must be deterministic)", fingerprint(self.plans))
         self.out_dir = self.session.shared_dir(self.cfg.out_dir, self.default_root)
 
@@ -249,10 +252,14 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
             "records": records,
         }
         if costs:
-            labels = [label for label in run.plans if label in costs]
             result["embedding_cost_ms"] = costs
-            tau = kendall_tau_b([summary["plans"][lb]["samples_per_s"]["mean"] for lb in labels], [-costs[lb] for lb in labels])
-            result["kendall_tau_throughput_vs_cost"] = None if math.isnan(tau) else tau
+            taus = {}
+            for source, by_plan in costs.items():
+                labels = [label for label in run.plans if label in by_plan]
+                tau = kendall_tau_b([summary["plans"][lb]["samples_per_s"]["mean"] for lb in labels],
+                                    [-by_plan[lb] for lb in labels])
+                taus[source] = None if math.isnan(tau) else tau
+            result["kendall_tau_throughput_vs_cost"] = taus
         s.log({f"summary/{label}/{key}": p[key]["mean"] for label, p in summary["plans"].items()
                for key in ("samples_per_s", "ratio_to_reference")}, step=len(records) + 1)
         if s.is_rank_zero:
@@ -265,8 +272,8 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
                 print("embedding lookup forward, ms per step per rank (the work each rank does):")
                 for label in summary["order"]:
                     print(f"  {label:24s} " + " / ".join(f"{v:.1f}" for v in lookup_ms[label]))
-            if costs:
-                print(f"Kendall tau (throughput vs measured embedding cost): {result['kendall_tau_throughput_vs_cost']}")
+            for source, tau in (result.get("kendall_tau_throughput_vs_cost") or {}).items():
+                print(f"Kendall tau (throughput vs measured embedding cost, {source}): {tau}")
             print(f"wrote {run.out_dir}")
     return summary["plans"][summary["order"][0]]["samples_per_s"]["mean"]
 
@@ -286,19 +293,26 @@ def _lookup_ms_per_step(records: list[dict], steps_per_round: int) -> dict[str, 
     return {p: [1000 * v / (blocks[p] * steps_per_round) for v in acc] for p, acc in sums.items()}
 
 
-def _shard_report_costs(path: str | None, run: Run) -> dict[str, float]:
-    """{plan label: measured cost ms} from a shard.py report.json, matched by algorithm."""
-    if not path:
+def _shard_report_costs(paths: Any, run: Run) -> dict[str, dict[str, float]]:
+    """{what was measured: {plan label: measured cost ms}} from one or several shard.py
+    report.json files, matched by algorithm; a report is named by what its evaluator timed
+    (`kernels`, or `dmp_step`: DistributedModelParallel's embedding step)."""
+    if not paths:
         return {}
     from embshard.task import read_json
 
-    report = read_json(path)
-    by_algorithm = {
-        r.get("algorithm"): r.get("measured_cost_ms")
-        for r in report.get("results", [])
-        if r.get("task") == run.task.name and r.get("measured_cost_ms") is not None
-    }
-    return {label: float(by_algorithm[p.algorithm]) for label, p in run.plans.items() if p.algorithm in by_algorithm}
+    out: dict[str, dict[str, float]] = {}
+    for path in [paths] if isinstance(paths, str) else list(paths):
+        report = read_json(path)
+        mine = [r for r in report.get("results", []) if r.get("task") == run.task.name and r.get("measured_cost_ms") is not None]
+        by_algorithm = {r.get("algorithm"): r["measured_cost_ms"] for r in mine}
+        source = next(((r.get("measured_device_costs") or {}).get("source", "kernels") for r in mine), "kernels")
+        key, n = source, 1
+        while key in out:
+            n += 1
+            key = f"{source}#{n}"
+        out[key] = {label: float(by_algorithm[p.algorithm]) for label, p in run.plans.items() if p.algorithm in by_algorithm}
+    return out
 
 
 def _plot_loss(curve, path: Path, title: str) -> None:

@@ -11,11 +11,11 @@ Definitions used here:
   seconds)``: ranks synchronise in the all-to-all, so the slowest rank decides.
 * The ratio to the reference is paired per round (plan throughput / reference throughput in the
   same round), which cancels drift of the machine between rounds.
-* Means over rounds get a two-sided Student's t confidence interval; with fewer than two rounds
-  there is no spread estimate, so ``std``, ``ci_low`` and ``ci_high`` are ``None``.
+* Means over rounds get a percentile bootstrap interval (`embshard.stats.bootstrap_mean_ci`);
+  with fewer than two rounds there is no spread estimate, so ``std``, ``ci_low`` and
+  ``ci_high`` are ``None``.
 
-Pure logic and plotting; no distributed code. scipy is not a dependency of the project, so the
-t quantile is computed here from the regularised incomplete beta function.
+Pure logic and plotting; no distributed code.
 """
 
 from __future__ import annotations
@@ -27,95 +27,22 @@ from typing import Any, Sequence
 
 from embshard.errors import InputError
 from embshard.io import save_png
+from embshard.stats import bootstrap_mean_ci
 
-__all__ = ["summarize_throughput", "format_summary", "plot_throughput", "t_quantile"]
-
-
-# ----------------------------------------------------------------------------- Student's t
-
-
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the incomplete beta function (modified Lentz)."""
-    tiny = 1e-300
-    qab, qap, qam = a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 10_000):
-        m2 = 2 * m
-        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        h *= d * c
-        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
-        d = 1.0 + aa * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + aa / c
-        c = c if abs(c) > tiny else tiny
-        delta = d * c
-        h *= delta
-        if abs(delta - 1.0) < 1e-15:
-            break
-    return h
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """Regularised incomplete beta function I_x(a, b) for 0 <= x <= 1."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    ln_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    front = math.exp(ln_front)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
-
-
-def _t_cdf(t: float, df: float) -> float:
-    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t >= 0 else tail
-
-
-def t_quantile(p: float, df: int) -> float:
-    """The p-quantile of Student's t with `df` degrees of freedom (scipy.stats.t.ppf)."""
-    if not 0.0 < p < 1.0:
-        raise ValueError(f"t_quantile: p must lie in (0, 1), got {p}")
-    if df < 1:
-        raise ValueError(f"t_quantile: df must be >= 1, got {df}")
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    if p == 0.5:
-        return 0.0
-    if df == 1:  # Cauchy: closed form
-        return math.tan(math.pi * (p - 0.5))
-    if df == 2:  # closed form
-        return (2.0 * p - 1.0) * math.sqrt(2.0 / (4.0 * p * (1.0 - p)))
-    lo, hi = 0.0, 1.0
-    while _t_cdf(hi, df) < p:
-        lo, hi = hi, hi * 2.0
-    for _ in range(200):  # bisection: the CDF is monotone, so this cannot miss
-        mid = 0.5 * (lo + hi)
-        if _t_cdf(mid, df) < p:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-13 * max(1.0, hi):
-            break
-    return 0.5 * (lo + hi)
+__all__ = ["summarize_throughput", "format_summary", "plot_throughput"]
 
 
 def _mean_ci(values: Sequence[float], confidence: float) -> tuple[float, float | None, float | None, float | None]:
-    """(mean, sample std, ci_low, ci_high); the last three None with fewer than two values."""
+    """(mean, sample std, ci_low, ci_high): the bootstrap interval of the mean over rounds
+    (`embshard.stats`, the one interval every comparison uses); the last three None with
+    fewer than two values."""
     n = len(values)
     m = math.fsum(values) / n
     if n < 2:
         return m, None, None, None
     sd = statistics.stdev(values, xbar=m)
-    half = t_quantile(0.5 + confidence / 2.0, n - 1) * sd / math.sqrt(n)
-    return m, sd, m - half, m + half
+    _, lo, hi = bootstrap_mean_ci(values, confidence)
+    return m, sd, lo, hi
 
 
 # ----------------------------------------------------------------------------- validation

@@ -39,43 +39,6 @@ BATCHES = (2048, 4096, 8192, 16384, 32768, 65536)
 DIMS = (4, 8, 16, 32, 64, 128, 256)
 
 
-def load_protocol(name: str) -> Any:
-    """A conf/measure/<name>.yaml protocol, its `defaults` resolved, without Hydra."""
-    from embshard.hardware.protocol import MeasurementProtocol
-
-    def read(n: str) -> dict:
-        body = _flat_yaml((ROOT / "conf" / "measure" / f"{n}.yaml").read_text())
-        out: dict = {}
-        for d in body.pop("defaults", []) or []:
-            if d != "_self_":
-                out |= read(d)
-        return out | body
-
-    return MeasurementProtocol.from_config(read(name))
-
-
-def _flat_yaml(text: str) -> dict:
-    """conf/measure/*.yaml (flat `key: value` lines and a `defaults` list), parsed without
-    PyYAML so the script runs where only torch is installed (a GPU machine)."""
-    out: dict = {}
-    key = None
-    for raw in text.splitlines():
-        line = raw.split("#", 1)[0].rstrip()
-        if not line.strip():
-            continue
-        if line.startswith("  - ") and key == "defaults":
-            out["defaults"].append(line[4:].strip())
-            continue
-        key, _, value = line.partition(":")
-        key, value = key.strip(), value.strip()
-        if key == "defaults":
-            out["defaults"] = []
-            continue
-        out[key] = json.loads(value) if value and value[0] in "[0123456789-" else {
-            "true": True, "false": False, "null": None}.get(value, value)
-    return out
-
-
 # ----------------------------------------------------------------------------- prepare
 def prepare(out: Path, seed: int, with_torchrec: bool) -> None:
     """Draw the shards and the task, plan it with 10 planners, write everything to `out`."""
@@ -146,13 +109,14 @@ def session(out: Path, protocol_name: str, label: str, load: str, backend: str, 
             with_plans: bool = True) -> Path:
     """Measure the prepared shards and plans once under a protocol; write the session file."""
     from embshard.hardware.backends import ShardInput
-    from embshard.hardware.compute import measure_compute
     from embshard.hardware.evaluator import HardwareEvaluator
-    from embshard.hardware.probe import run_probe
+    from embshard.hardware.probe import measure_compute_with_probe, run_probe
     from embshard.io import write_json_atomic
     from embshard.plan import Plan, Shard
     from embshard.tables import Table
     from embshard.task import Task
+
+    from embshard.hardware.protocol import load_protocol
 
     protocol = load_protocol(protocol_name)
     shards = json.loads((out / "shards.json").read_text())[:limit]
@@ -170,8 +134,11 @@ def session(out: Path, protocol_name: str, label: str, load: str, backend: str, 
         probe = run_probe(load_protocol("cpu" if device == "cpu" else "cuda").replace(probe=False), backend=backend,
                           device=device, comm_backend=comm_backend)
         t_shards = time.perf_counter()
-        timings = measure_compute(sets, batches, backend=backend, device=device, protocol=protocol, seed=seed,
-                                  progress=True)
+        # the probe's kernels ride along in every visit (control items): the speed of this session
+        # while the shards ran, under the same protocol (also under legacy)
+        timings, tracked = measure_compute_with_probe(sets, batches, backend=backend, device=device,
+                                                      protocol=protocol.replace(probe=True), seed=seed, progress=True,
+                                                      session=probe)
         t_plans = time.perf_counter()
         ev = HardwareEvaluator(backend=backend, device=device, comm_backend=comm_backend, protocol=protocol, seed=seed,
                                progress=True)
@@ -185,6 +152,7 @@ def session(out: Path, protocol_name: str, label: str, load: str, backend: str, 
     body = {
         "protocol": protocol.to_dict(), "label": label, "load": load, "backend": backend, "device": device,
         "probe": probe.to_dict(),
+        "tracked_probe": tracked.to_dict(),
         "seconds": {"probe": round(t_shards - t0, 1), "shards": round(t_plans - t_shards, 1),
                     "plans": round(t_end - t_plans, 1)},
         "shards": [{"ms": t.median_ms, "noise": t.noise, "samples_ms": list(t.samples_ms)} for t in timings],
@@ -209,7 +177,11 @@ def compare_pair(a: dict, b: dict) -> dict[str, Any]:
     keep = (ma > 0) & (mb > 0)
     diff = np.abs(mb[keep] / ma[keep] - 1.0)
     speed = Probe.from_dict(b["probe"]).speed_vs(Probe.from_dict(a["probe"]))
-    diff_probe = np.abs(mb[keep] / speed["compute"] / ma[keep] - 1.0)
+    if a.get("tracked_probe") and b.get("tracked_probe"):
+        tracked = Probe.from_dict(b["tracked_probe"]).speed_vs(Probe.from_dict(a["tracked_probe"]))
+    else:  # sessions measured before the tracked probe existed
+        tracked = {"compute": float("nan")}
+    diff_probe = np.abs(mb[keep] / tracked["compute"] / ma[keep] - 1.0)
     names = sorted(a["plans"])
     pa = [a["plans"][n]["cost_ms"] for n in names]
     pb = [b["plans"][n]["cost_ms"] for n in names]
@@ -218,6 +190,7 @@ def compare_pair(a: dict, b: dict) -> dict[str, Any]:
         "shard_median_abs_diff": float(np.median(diff)), "shard_max_abs_diff": float(diff.max()),
         "shard_mean_ratio": float(np.mean(mb[keep] / ma[keep])),
         "probe_compute_ratio": speed["compute"], "probe_comm_ratio": speed["forward_comm"],
+        "tracked_probe_compute_ratio": tracked["compute"],
         "shard_median_abs_diff_probe_normalised": float(np.median(diff_probe)),
         "plan_kendall_tau": float(kendall_tau_b(pa, pb)), "plan_median_abs_diff": float(np.median(plan_diff)),
         "plan_max_abs_diff": float(plan_diff.max()),
@@ -236,13 +209,15 @@ def compare(out: Path) -> dict[str, Any]:
         for i, la in enumerate(labels):
             for lb in labels[i + 1:]:
                 rows[f"{proto}: {la} vs {lb}"] = compare_pair(sessions[f"{proto}-{la}"], sessions[f"{proto}-{lb}"])
-    lines = ["| protocol: sessions | shard median abs diff | shard max | probe-normalised median | plan tau | "
-             "plan median abs diff | probe compute ratio | seconds (shards + plans) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| protocol: sessions | shard median abs diff | shard max | ... divided by the tracked probe | plan tau | "
+             "plan median abs diff | speed ratio: start probe / tracked probe / shards' mean | seconds (shards + plans) |",
+             "|---|---|---|---|---|---|---|---|"]
     for k, r in rows.items():
         secs = r["seconds"]["b"]
         lines.append(f"| {k} | {100 * r['shard_median_abs_diff']:.1f}% | {100 * r['shard_max_abs_diff']:.1f}% | "
                      f"{100 * r['shard_median_abs_diff_probe_normalised']:.1f}% | {r['plan_kendall_tau']:.2f} | "
-                     f"{100 * r['plan_median_abs_diff']:.1f}% | {r['probe_compute_ratio']:.3f} | "
+                     f"{100 * r['plan_median_abs_diff']:.1f}% | {r['probe_compute_ratio']:.3f} / "
+                     f"{r['tracked_probe_compute_ratio']:.3f} / {r['shard_mean_ratio']:.3f} | "
                      f"{secs['shards']:.0f} + {secs['plans']:.0f} |")
     text = "\n".join(lines)
     print(text)

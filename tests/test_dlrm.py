@@ -253,8 +253,9 @@ def test_throughput_two_processes(tiny_task, tmp_path):
     assert (out / "throughput.png").stat().st_size > 0
     assert "samples/s" in r.stdout
     # shard.py's measured costs matched to the plans by task and algorithm
-    assert result["embedding_cost_ms"] == {"mixed": 5.0, "pile_up": 9.0}
-    assert result["kendall_tau_throughput_vs_cost"] in (-1.0, 1.0)
+    assert result["embedding_cost_ms"] == {"kernels": {"mixed": 5.0, "pile_up": 9.0}}
+    # tau between throughput and each report's costs, the report named by what it timed
+    assert set(result["kendall_tau_throughput_vs_cost"]) == {"kernels"}
     # per-rank lookup time (CPU): pile_up puts every table on rank 0, so rank 1 looks up nothing
     pile = result["lookup_forward_ms_per_step"]["pile_up"]
     assert len(pile) == 2 and pile[0] > 0 and pile[1] < 0.5 * pile[0]

@@ -130,7 +130,7 @@ def test_guard_returns_the_measured_best_plan():
     task = make_task(tables, 2, slack=3.0, batch_size=512)
     evaluator = HardwareEvaluator(comm_backend=None, protocol=MeasurementProtocol(repetitions=3, visits=1, probe=False), seed=0)
     s = NeuroShardSharder(predictor=PileUpModel(batch_size=512), caps=[100.0], column_wise=False, row_wise=False,
-                          verify=2, verify_heuristics=["size_greedy", "lookup_greedy"], verify_rounds=2)
+                          verify=2, verify_heuristics=["size_greedy", "lookup_greedy"], verify_visits=1)
     s.attach_evaluator(evaluator)
     plan = s.shard(task)
     pick = s.last_search_pick

@@ -10,15 +10,61 @@ from typing import Any, Callable, Sequence
 
 from embshard.compare import Result
 from embshard.io import save_png
+from embshard.stats import RatioSummary, paired_ratio_summary
 from embshard.task import Task
 
 
+#: The heuristics a learned planner must beat: "the best heuristic" of a task is the cheapest
+#: of these that ran on it (by the compared metric).
+HEURISTICS = ("random", "round_robin", "size_greedy", "dim_greedy", "lookup_greedy", "size_lookup_greedy")
+
+
+def best_heuristic(results: Sequence[Result], metric: str) -> Result | None:
+    """The cheapest heuristic result of one task's results (None when no heuristic has a cost)."""
+    costed = [r for r in results if r.algorithm in HEURISTICS and getattr(r, metric) is not None]
+    return min(costed, key=lambda r: getattr(r, metric)) if costed else None
+
+
+def paired_samples_ratio(a: Result, b: Result) -> RatioSummary | None:
+    """a / b within one task, from the two plans' per-repetition measured costs (paired by
+    repetition: measured in the same interleaved visit); None without paired samples."""
+    sa = a.measured.plan_cost_samples_ms if a.measured else []
+    sb = b.measured.plan_cost_samples_ms if b.measured else []
+    if len(sa) < 2 or len(sa) != len(sb) or min(sa + sb) <= 0:
+        return None
+    return paired_ratio_summary([x / y for x, y in zip(sa, sb)])
+
+
+def vs_best_heuristic(results: Sequence[Result], metric: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (task, algorithm): the cost ratio to the task's best heuristic, and, where the two
+    were measured together, the bootstrap 95% interval of the mean paired per-repetition ratio
+    with its verdict ("better" / "worse" / "not resolved")."""
+    out = {}
+    for task in dict.fromkeys(r.task for r in results):
+        mine = [r for r in results if r.task == task]
+        h = best_heuristic(mine, metric)
+        if h is None:
+            continue
+        for r in mine:
+            cost = getattr(r, metric)
+            if cost is None:
+                continue
+            s = paired_samples_ratio(r, h) if r is not h and metric == "measured_cost_ms" else None
+            out[(task, r.algorithm)] = {"heuristic": h.algorithm, "ratio": cost / getattr(h, metric),
+                                        "interval": s.to_dict() if s is not None else None}
+    return out
+
+
 def summarize(results: Sequence[Result], metric: str = "measured_cost_ms") -> list[dict[str, Any]]:
-    """Per algorithm: valid plans, mean cost, mean ratio to the best plan per task, search time.
+    """Per algorithm: valid plans, mean cost, mean ratio to the best plan per task, the paired
+    ratio to the best heuristic per task (mean over tasks, bootstrap 95% interval over tasks
+    from two tasks up, its verdict), search time.
 
     Tasks where an algorithm found no valid plan count against it in `valid`, never silently
-    drop out: the ratio is averaged over the tasks it solved, and `valid` says how many.
+    drop out: the ratio is averaged over the tasks it solved, and `valid` says how many. With
+    one task the interval is that task's, over paired repetitions.
     """
+    vs_heur = vs_best_heuristic(results, metric)
     algorithms = list(dict.fromkeys(r.algorithm for r in results))
     tasks = list(dict.fromkeys(r.task for r in results))
     best: dict[str, float] = {}
@@ -35,6 +81,7 @@ def summarize(results: Sequence[Result], metric: str = "measured_cost_ms") -> li
         costed = [c for c in (_costs_of(r, metric) for r in mine) if c is not None]
         heads = [c.headroom() for c in costed]
         envs = [r.envelope for r in mine if r.envelope]
+        heur = [vs_heur[(r.task, alg)] for r in mine if (r.task, alg) in vs_heur]
         rows.append(
             {
                 "algorithm": alg,
@@ -42,6 +89,7 @@ def summarize(results: Sequence[Result], metric: str = "measured_cost_ms") -> li
                 "tasks": len(mine),
                 f"mean_{metric}": mean(costs) if costs else None,
                 "mean_ratio_to_best": mean(ratios) if ratios else None,
+                "vs_best_heuristic": _over_tasks(heur),
                 "mean_spread_ms": mean(spreads) if spreads else None,
                 "mean_compute_imbalance": mean(h["compute_imbalance"] for h in heads) if heads else None,
                 "mean_gap_pct": mean(h["gap_pct"] for h in heads) if heads else None,
@@ -53,6 +101,32 @@ def summarize(results: Sequence[Result], metric: str = "measured_cost_ms") -> li
             }
         )
     return rows
+
+
+def _over_tasks(heur: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ratio to the best heuristic over tasks: bootstrap over tasks from two tasks up; one
+    task: its own (paired repetitions) interval."""
+    if not heur:
+        return None
+    if len(heur) == 1:
+        one = heur[0]
+        return {"mean": one["ratio"], "tasks": 1, "basis": "repetitions" if one["interval"] else None,
+                **({k: one["interval"][k] for k in ("low", "high", "verdict")} if one["interval"] else
+                   {"low": None, "high": None, "verdict": "not resolved"})}
+    s = paired_ratio_summary([h["ratio"] for h in heur])
+    worse = sum(1 for h in heur if h["interval"] and h["interval"]["verdict"] == "worse")
+    return {"mean": s.mean, "low": s.low, "high": s.high, "verdict": s.verdict, "tasks": s.n, "basis": "tasks",
+            "tasks_worse_beyond_interval": worse}
+
+
+def ratio_text(v: dict[str, Any] | None) -> str:
+    """"0.912x [0.870, 0.951] better" (or "1.020x not resolved" without an interval)."""
+    if not v:
+        return "-"
+    mean_, low, high = v.get("mean", v.get("ratio")), v.get("low"), v.get("high")
+    if low is None:
+        return f"{mean_:.3f}x" + (" not resolved" if v.get("verdict") else "")
+    return f"{mean_:.3f}x [{low:.3f}, {high:.3f}] {v['verdict']}"
 
 
 def _costs_of(r: Result, metric: str):
@@ -83,6 +157,7 @@ def summary_columns(metric: str) -> list[Column]:
         Column(f"mean {METRIC_LABELS.get(metric, metric)}", lambda r: _fmt(r[f"mean_{metric}"], "{:.3f}")),
         Column("± spread", lambda r: _fmt(r.get("mean_spread_ms"), "{:.3f}")),
         Column("vs best", lambda r: _fmt(r["mean_ratio_to_best"], "{:.3f}x")),
+        Column("vs best heuristic [95% CI]", lambda r: ratio_text(r.get("vs_best_heuristic"))),
         Column("imbalance", lambda r: _fmt(r.get("mean_compute_imbalance"), "{:.2f}x")),
         Column("gap to balance", lambda r: _fmt(r.get("mean_gap_pct"), "{:+.1f}%")),
         Column("out of envelope",
@@ -109,6 +184,7 @@ def result_rows(results: Sequence[Result], metric: str) -> list[dict[str, Any]]:
     pieces and memory per device, search time, and the reason when it has no valid plan."""
     costs = [getattr(r, metric) for r in results if getattr(r, metric) is not None]
     best = min(costs) if costs else None
+    vs_heur = vs_best_heuristic(results, metric)
     rows = []
     for r in results:
         cost = getattr(r, metric)
@@ -121,6 +197,7 @@ def result_rows(results: Sequence[Result], metric: str) -> list[dict[str, Any]]:
             metric: cost,
             "spread_ms": r.measured.plan_cost_spread_ms if r.measured and metric == "measured_cost_ms" else None,
             "ratio_to_best": cost / best if cost is not None and best else None,
+            "vs_best_heuristic": vs_heur.get((r.task, r.algorithm)),
             "compute_imbalance": head.get("compute_imbalance"),
             "gap_pct": head.get("gap_pct"),
             "envelope": r.envelope,
@@ -138,6 +215,7 @@ def result_columns(metric: str, device_memory_bytes: int) -> list[Column]:
         Column(METRIC_LABELS.get(metric, metric), lambda r: _fmt(r[metric], "{:.3f}")),
         Column("± spread", lambda r: _fmt(r["spread_ms"], "{:.3f}")),
         Column("vs best", lambda r: _fmt(r["ratio_to_best"], "{:.3f}x")),
+        Column("vs best heuristic [95% CI]", lambda r: _heur_cell(r["vs_best_heuristic"])),
         Column("imbalance", lambda r: _fmt(r["compute_imbalance"], "{:.2f}x")),
         Column("gap to balance", lambda r: _fmt(r["gap_pct"], "{:+.1f}%")),
         Column("out of envelope", lambda r: "-" if not r["envelope"]
@@ -159,6 +237,15 @@ def format_results(task: Task, results: Sequence[Result], metric: str) -> str:
     cells it has no values for."""
     return render(result_columns(metric, task.device_memory_bytes), result_rows(results, metric),
                   reason=lambda r: None if r["valid"] else str(r["error"]))
+
+
+def _heur_cell(v: dict[str, Any] | None) -> str:
+    if not v:
+        return "-"
+    if v["interval"] is None:
+        return f"{v['ratio']:.3f}x" if v["ratio"] != 1.0 else "1.000x (itself)"
+    iv = v["interval"]
+    return f"{v['ratio']:.3f}x [{iv['low']:.3f}, {iv['high']:.3f}] {iv['verdict']}"
 
 
 def per_device(values: Sequence[float], pattern: str, show: int = 8) -> str:

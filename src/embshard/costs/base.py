@@ -26,14 +26,26 @@ class DeviceCosts:
     backward_comm_spread_ms: list[float] = field(default_factory=list)
     #: Spread of the plan cost itself over repetitions, when measured.
     plan_cost_spread_ms: float | None = None
+    #: The plan cost of each repetition, when measured: repetition i of every plan measured in
+    #: one interleaved batch ran in the same visit, so two plans' samples pair by index.
+    plan_cost_samples_ms: list[float] = field(default_factory=list)
+    #: Per device, the all-to-all of the input ids before the lookups (TorchRec's input_dist,
+    #: with row-wise bucketizing); empty where it was not measured or estimated (counts 0).
+    input_dist_ms: list[float] = field(default_factory=list)
+    #: What was timed: "kernels" (fused kernel per device + pooled all-to-all), "dmp_step"
+    #: (DistributedModelParallel's embedding step: compute_ms is then the forward (lookups and
+    #: output distribution) plus the backward, per rank), or "estimate".
+    source: str = "kernels"
 
     @property
     def total_ms(self) -> list[float]:
-        return [c + f + b for c, f, b in zip(self.compute_ms, self.forward_comm_ms, self.backward_comm_ms)]
+        ids = self.input_dist_ms or [0.0] * len(self.compute_ms)
+        return [c + f + b + i for c, f, b, i in zip(self.compute_ms, self.forward_comm_ms, self.backward_comm_ms, ids)]
 
     @property
     def plan_cost_ms(self) -> float:
-        """Max over devices of compute + forward comm + backward comm (docs/usage.md, "Contracts")."""
+        """Max over devices of compute + forward comm + backward comm (+ the input ids' all-to-all
+        where it was timed) (docs/usage.md, "Contracts")."""
         return max(self.total_ms)
 
     def headroom(self) -> dict[str, float]:

@@ -112,7 +112,7 @@ def measure_comm(
     """
     protocol = protocol or MeasurementProtocol()
     warmups, repetitions = protocol.comm_warmups, protocol.comm_repetitions
-    cores = list(cores) if cores is not None else allowed_cores()
+    cores = list(cores) if cores is not None else allowed_cores(idlest_first=True)
     cfgs = [c if isinstance(c, CommConfig) else CommConfig.make(*c) for c in configs]
     if not cfgs:
         return []

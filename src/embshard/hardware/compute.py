@@ -46,7 +46,7 @@ def measure_compute(
     batch_size: int | Sequence[int],
     backend: str = "fbgemm",
     device: str = "cpu",
-    optimizer: str = "sgd",
+    optimizer: str | Sequence[str] = "sgd",
     protocol: MeasurementProtocol | None = None,
     seed: int = 0,
     progress: bool = False,
@@ -59,7 +59,8 @@ def measure_compute(
         shard_sets: per "device", the shards its kernel holds; an empty set costs 0.
         batch_size: bags per table per step (the global batch: a device pools its shards
             for every sample before the all-to-all); one for all sets, or one per set.
-        backend, device, optimizer: see `backends.make_kernel`.
+        backend, device, optimizer: see `backends.make_kernel` (optimizer: one for all sets, or
+            one per set).
         protocol: how to time (default: `MeasurementProtocol()`).
         seed: seeds the index draws.
         progress: tqdm bar over visits.
@@ -72,6 +73,7 @@ def measure_compute(
     if len(batches) != len(shard_sets):
         raise ValueError(f"{len(shard_sets)} shard sets but {len(batches)} batch sizes")
     items = list(item_seeds) if item_seeds is not None else list(range(len(shard_sets)))
+    optimizers = [optimizer] * len(shard_sets) if isinstance(optimizer, str) else list(optimizer)
     visits: list[list[list[float]]] = [[] for _ in shard_sets]
     nonempty = [k for k, s in enumerate(shard_sets) if len(s) > 0]
     cache: dict[int, DeviceKernel] = {}
@@ -93,7 +95,7 @@ def measure_compute(
                     shards = shard_sets[k]
                     kernel = cache.get(k)
                     if kernel is None:
-                        kernel = make_kernel(backend, shards, batches[k], device, optimizer)
+                        kernel = make_kernel(backend, shards, batches[k], device, optimizers[k])
                         size = sum(s.nbytes for s in shards)
                         if protocol.visits > 1 and cached_bytes + size <= max_cached_bytes:
                             cache[k] = kernel

@@ -20,6 +20,7 @@ the measuring session calls it first and records it beside the costs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Sequence
 
 from embshard.costs.base import DeviceCosts
@@ -49,6 +50,11 @@ class HardwareEvaluator:
         seed: seeds the index draws.
         progress: tqdm progress bars.
         comm_timeout_s: kill the comm processes after this long (None: scales with work).
+        step: what a plan's cost is measured as: "kernels" (each device's fused kernel and the
+            all-to-all of pooled embeddings, in processes of our own) or "dmp" (TorchRec's
+            DistributedModelParallel embedding step, `hardware.dmp_step`: the input ids'
+            all-to-all, row-wise bucketizing, lookups, output distribution, backward with the
+            fused update; CPU and gloo; needs TorchRec).
     """
 
     def __init__(
@@ -61,6 +67,7 @@ class HardwareEvaluator:
         seed: int = 0,
         progress: bool = False,
         comm_timeout_s: float | None = None,
+        step: str = "kernels",
     ):
         if backend not in BACKENDS:
             raise InputError(f"unknown hardware backend {backend!r}; one of {list(BACKENDS)}")
@@ -73,12 +80,20 @@ class HardwareEvaluator:
         self.backend = backend
         self.device = device
         self.comm_backend = comm_backend
+        if step not in ("kernels", "dmp"):
+            raise InputError(f"hardware.step must be kernels or dmp, got {step!r}")
+        if step == "dmp" and (str(device).startswith("cuda") or comm_backend != "gloo"):
+            raise InputError("hardware.step=dmp measures on CPU with gloo here (device=cpu, comm_backend=gloo)")
+        self.step = step
         self.protocol = MeasurementProtocol.from_config(protocol)
         self.batch_size = batch_size
         self.seed = seed
         self.progress = progress
         self.comm_timeout_s = comm_timeout_s
         self.probe: "Probe | None" = None
+        #: with the protocol's probe: the probe's kernels timed interleaved with each call's
+        #: kernels (the machine's speed while they ran), one per `measure_many` call
+        self.tracked: list["Probe"] = []
 
     def session_probe(self, refresh: bool = False) -> "Probe | None":
         """The speed probe of this measuring session: timed on first use (when the protocol
@@ -103,6 +118,8 @@ class HardwareEvaluator:
         if not plans:
             return []
         protocol = self.protocol if visits is None else self.protocol.replace(visits=int(visits))
+        if self.step == "dmp":
+            return self._measure_dmp(task, plans, protocol)
         d = task.num_devices
         batch = self.batch_size or task.batch_size
         tables = task.table_by_name
@@ -112,16 +129,15 @@ class HardwareEvaluator:
             for dev in range(d):
                 shard_sets.append([ShardInput(tables[s.table], s) for s in plan.shards_on(dev)])
 
-        compute = measure_compute(
-            shard_sets,
-            batch,
-            backend=self.backend,
-            device=self.device,
-            optimizer=task.optimizer,
-            protocol=protocol,
-            seed=self.seed,
-            progress=self.progress,
-        )
+        kw = dict(backend=self.backend, device=self.device, optimizer=task.optimizer, protocol=protocol, seed=self.seed,
+                  progress=self.progress)
+        if protocol.probe:
+            from embshard.hardware.probe import measure_compute_with_probe
+
+            compute, tracked = measure_compute_with_probe(shard_sets, batch, session=self.probe, **kw)
+            self.tracked.append(tracked)
+        else:
+            compute = measure_compute(shard_sets, batch, **kw)
         per_plan: list[list[Timing]] = [compute[i * d : (i + 1) * d] for i in range(len(plans))]
 
         if self.comm_backend is None or d == 1:
@@ -143,11 +159,24 @@ class HardwareEvaluator:
         return [_costs(t, c) for t, c in zip(per_plan, comm)]
 
 
+    def _measure_dmp(self, task: Task, plans: list[Plan], protocol: MeasurementProtocol) -> list[DeviceCosts]:
+        from embshard.hardware.dmp_step import measure_dmp_steps
+
+        if self.batch_size is not None and self.batch_size != task.batch_size:
+            task = dataclasses.replace(task, batch_size=int(self.batch_size))
+        steps = measure_dmp_steps(task, plans, protocol, seed=self.seed, progress=self.progress)
+        zero = [0.0] * task.num_devices
+        return [DeviceCosts(compute_ms=[f + b for f, b in zip(s.forward_ms, s.backward_ms)], forward_comm_ms=list(zero),
+                            backward_comm_ms=list(zero), input_dist_ms=list(s.input_dist_ms),
+                            plan_cost_samples_ms=list(s.step_samples_ms), source="dmp_step") for s in steps]
+
+
 def _costs(compute: Sequence[Timing], comm: CommResult) -> DeviceCosts:
     d = len(compute)
     # Plan cost per repetition: pair the i-th compute sample with the i-th comm samples.
     n = min([len(t.samples_ms) for t in compute] + [len(x) for x in comm.forward_samples_ms + comm.backward_samples_ms])
     spread = None
+    per_rep: list[float] = []
     if n > 0:
         per_rep = [
             max(compute[k].samples_ms[i] + comm.forward_samples_ms[k][i] + comm.backward_samples_ms[k][i] for k in range(d))
@@ -162,4 +191,5 @@ def _costs(compute: Sequence[Timing], comm: CommResult) -> DeviceCosts:
         forward_comm_spread_ms=list(comm.forward_spread_ms),
         backward_comm_spread_ms=list(comm.backward_spread_ms),
         plan_cost_spread_ms=spread,
+        plan_cost_samples_ms=[float(x) for x in per_rep],
     )

@@ -25,6 +25,8 @@ from datetime import datetime, timezone
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
+import numpy as np
+
 from embshard.errors import InputError
 from embshard.hardware.protocol import MeasurementProtocol
 
@@ -115,22 +117,61 @@ def probe_tables() -> list[Any]:
     return [Table(name=name, rows=rows, dim=dim, pooling_factor=pf) for name, rows, dim, pf, _ in PROBE_KERNELS]
 
 
+def _probe_sets(device: str) -> tuple[list[Any], list[list[Any]], list[int], list[int]]:
+    """(tables, shard sets, batch sizes, item seeds) of the probe's kernels on `device`."""
+    from embshard.hardware.backends import ShardInput
+    from embshard.plan import Shard
+
+    tables = probe_tables()
+    sets = [[ShardInput(t, Shard(t.name, 0, 0, t.dim, 0, t.rows))] for t in tables]
+    factor = CUDA_BATCH_FACTOR if str(device).startswith("cuda") else 1
+    return tables, sets, [b * factor for *_, b in PROBE_KERNELS], [9000 + k for k in range(len(sets))]
+
+
+def measure_compute_with_probe(shard_sets: Sequence[Sequence[Any]], batch_size: int | Sequence[int],
+                               backend: str = "fbgemm", device: str = "cpu", optimizer: str | Sequence[str] = "sgd",
+                               protocol: MeasurementProtocol | None = None, seed: int = 0,
+                               session: Probe | None = None, **kw: Any) -> tuple[list[Any], Probe]:
+    """`hardware.compute.measure_compute` with the probe's kernels visited in every round too,
+    as control items: the machine's speed *while these kernels ran* (a session's speed drifts
+    by several percent over minutes, more than one probe at its start can follow). Returns the
+    sets' timings and that tracked probe (its all-to-all taken from `session`, the session's
+    start probe, when given)."""
+    from embshard.hardware.compute import measure_compute
+
+    protocol = protocol or MeasurementProtocol()
+    tables, probe_sets, probe_batches, probe_seeds = _probe_sets(device)
+    n = len(shard_sets)
+    batches = [int(batch_size)] * n if isinstance(batch_size, (int, np.integer)) else [int(b) for b in batch_size]
+    items = list(kw.pop("item_seeds", None) or range(n))
+    t0 = time.perf_counter()
+    # the probe's kernels always update with SGD, whatever the sets use: probes compare across runs
+    optimizers = [optimizer] * n if isinstance(optimizer, str) else list(optimizer)
+    timings = measure_compute(list(shard_sets) + probe_sets, batches + probe_batches, backend=backend, device=device,
+                              optimizer=optimizers + ["sgd"] * len(probe_sets), protocol=protocol, seed=seed,
+                              item_seeds=items + probe_seeds, **kw)
+    mine, control = timings[:n], timings[n:]
+    probe = Probe(compute_ms={t.name: tm.median_ms for t, tm in zip(tables, control)},
+                  comm_ms=session.comm_ms if session is not None else None,
+                  noise={t.name: tm.noise for t, tm in zip(tables, control)}, backend=backend, device=str(device),
+                  comm_backend=session.comm_backend if session is not None else None,
+                  protocol=f"{protocol.name}, tracked", host=socket.gethostname() or platform.node(),
+                  created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  seconds=round(time.perf_counter() - t0, 2))
+    return mine, probe
+
+
 def run_probe(protocol: MeasurementProtocol | None = None, backend: str = "fbgemm", device: str = "cpu",
               comm_backend: str | None = "gloo", seed: int = 0) -> Probe:
     """Time the probe under `protocol` (at least 3 visits, so its noise can be estimated)."""
-    from embshard.hardware.backends import ShardInput
     from embshard.hardware.compute import measure_compute
-    from embshard.plan import Shard
 
     protocol = protocol or MeasurementProtocol()
     probe_protocol = protocol.replace(visits=max(3, protocol.visits), probe=False)
     t0 = time.perf_counter()
-    tables = probe_tables()
-    sets = [[ShardInput(t, Shard(t.name, 0, 0, t.dim, 0, t.rows))] for t in tables]
-    factor = CUDA_BATCH_FACTOR if str(device).startswith("cuda") else 1
-    batches = [b * factor for *_, b in PROBE_KERNELS]
+    tables, sets, batches, seeds = _probe_sets(device)
     timings = measure_compute(sets, batches, backend=backend, device=device, protocol=probe_protocol,
-                              seed=seed, item_seeds=[9000 + k for k in range(len(sets))])
+                              seed=seed, item_seeds=seeds)
     compute = {t.name: tm.median_ms for t, tm in zip(tables, timings)}
     noise = {t.name: tm.noise for t, tm in zip(tables, timings)}
     comm_ms = None

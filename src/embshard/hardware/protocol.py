@@ -6,7 +6,9 @@ Compute (`hardware.compute`), communication (`hardware.comm`), the speed probe
 
 * **pinning** (`pin`): every measuring process runs on its own cores of the cores it was
   allowed at the start (`os.sched_getaffinity`), so the scheduler never moves it mid-kernel;
-  process k of a group gets `threads` consecutive cores from core k × threads (mod n).
+  process k of a group gets `threads` consecutive cores from core k × threads (mod n) of the
+  allowed cores ordered idlest first (over the last 0.2 s), so a measurement does not start
+  beside a busy process.
 * **threads** (`threads`): a fixed intra-op thread count while timing, recorded with the data.
 * **timer** (`timer`): what counts the work. `thread_cpu` (CPU time of the measuring thread:
   a single-threaded CPU kernel runs entirely on the calling thread, so time the OS gave to
@@ -180,6 +182,51 @@ class MeasurementProtocol:
         return Timing.of_visits(visits, self.statistic, seed=seed)
 
 
+def load_protocol(name_or_path: str) -> MeasurementProtocol:
+    """A protocol from conf/measure/<name>.yaml (or a path), its `defaults` chain resolved,
+    without Hydra: the files are flat `key: value` lines, so scripts that run where only torch
+    is installed (a GPU machine) read the same protocols as the Hydra entry points."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3] / "conf" / "measure"
+
+    def read(ref: str) -> dict[str, Any]:
+        path = Path(ref) if ref.endswith(".yaml") else root / f"{ref}.yaml"
+        if not path.is_file():
+            known = sorted(p.stem for p in root.glob("*.yaml"))
+            raise InputError(f"no measurement protocol {ref!r} (conf/measure/: {', '.join(known)})")
+        body = _flat_yaml(path.read_text())
+        out: dict[str, Any] = {}
+        for d in body.pop("defaults", []) or []:
+            if d != "_self_":
+                out |= read(d)
+        return out | body
+
+    return MeasurementProtocol.from_config(read(name_or_path))
+
+
+def _flat_yaml(text: str) -> dict[str, Any]:
+    import json
+
+    out: dict[str, Any] = {}
+    key = None
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].rstrip()
+        if not line.strip():
+            continue
+        if line.startswith("  - ") and key == "defaults":
+            out["defaults"].append(line[4:].strip())
+            continue
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "defaults":
+            out["defaults"] = []
+            continue
+        out[key] = json.loads(value) if value and value[0] in "[0123456789-" else {
+            "true": True, "false": False, "null": None}.get(value, value)
+    return out
+
+
 # ----------------------------------------------------------------------------- the result
 @dataclass(frozen=True)
 class Timing:
@@ -239,12 +286,45 @@ def _bootstrap_noise(groups: Sequence[np.ndarray], statistic: str, value: float,
 
 
 # ----------------------------------------------------------------------------- processes
-def allowed_cores() -> list[int]:
-    """The cores this process may run on now (all of them where affinity is not supported)."""
+def allowed_cores(idlest_first: bool = False, window_s: float = 0.2) -> list[int]:
+    """The cores this process may run on now (all of them where affinity is not supported).
+
+    `idlest_first`: ordered by how busy each was over the last `window_s` seconds (from
+    /proc/stat; the idlest first, ties by number), so measuring processes land on the cores
+    that other work leaves free rather than beside it."""
     try:
-        return sorted(os.sched_getaffinity(0))
+        cores = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return list(range(os.cpu_count() or 1))
+        cores = list(range(os.cpu_count() or 1))
+    if not idlest_first or len(cores) < 2:
+        return cores
+    first = _core_times()
+    time.sleep(window_s)
+    last = _core_times()
+    if not first or not last:
+        return cores
+
+    def busy(c: int) -> float:
+        (b0, t0), (b1, t1) = first.get(c, (0, 0)), last.get(c, (0, 0))
+        return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+
+    return sorted(cores, key=lambda c: (round(busy(c), 2), c))
+
+
+def _core_times() -> dict[int, tuple[int, int]]:
+    """Per core (busy jiffies, total jiffies) from /proc/stat ({} where it cannot be read)."""
+    out = {}
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("cpu") and line[3:4].isdigit():
+                    name, *vals = line.split()
+                    v = [int(x) for x in vals]
+                    idle = v[3] + (v[4] if len(v) > 4 else 0)
+                    out[int(name[3:])] = (sum(v) - idle, sum(v))
+    except OSError:
+        return {}
+    return out
 
 
 def cores_for(protocol: MeasurementProtocol, index: int, cores: Sequence[int] | None = None) -> list[int] | None:
@@ -292,6 +372,8 @@ def measuring_process(protocol: MeasurementProtocol, index: int = 0, cores: Sequ
     import torch
 
     n_threads = protocol.threads if threads == "protocol" else threads
+    if cores is None and protocol.pin == "auto":
+        cores = allowed_cores(idlest_first=True)
     pinned = cores_for(protocol, index, cores)
     old_affinity = os.sched_getaffinity(0) if pinned is not None else None
     old_threads = torch.get_num_threads()

@@ -642,10 +642,15 @@ def resolve_path(path: str | os.PathLike) -> Path:
 class GuardResult:
     """What the measured guard did for one task (report.json: `guard`)."""
 
-    candidates: list[dict[str, Any]]   # label, source, predicted_ms, measured_ms, spread_ms
+    candidates: list[dict[str, Any]]   # label, source, predicted_ms, measured_ms, spread_ms (round 1)
     chosen: str
     search_pick: str
     measure_seconds: float
+    #: the rule's outcome: verdict ("better" | "worse" | "not resolved" | "same plan" | "no
+    #: heuristic plan"), the plan kept, and the ratio's bootstrap interval over rounds
+    decision: dict[str, Any] = field(default_factory=dict)
+    #: measured plan cost (ms) per round, by label
+    rounds: list[dict[str, float]] = field(default_factory=list)
     changed: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -653,7 +658,8 @@ class GuardResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"candidates": self.candidates, "chosen": self.chosen, "search_pick": self.search_pick,
-                "changed": self.changed, "measure_seconds": self.measure_seconds}
+                "changed": self.changed, "measure_seconds": self.measure_seconds, "decision": self.decision,
+                "rounds": self.rounds}
 
 
 class NeuroShardSharder:
@@ -684,7 +690,12 @@ class NeuroShardSharder:
             evaluate=measured), else off. 0: off.
         verify_heuristics: greedy baselines (conf/search names: size_greedy, dim_greedy,
             lookup_greedy, size_lookup_greedy) whose plans the guard measures too.
-        verify_rounds: interleaving rounds of the guard's measurement.
+        verify_visits: interleaved visits per measuring round of the guard (None: the
+            evaluator's protocol's).
+        verify_budget_s: the guard keeps measuring (rounds of the search's best and the best
+            heuristic, paired and interleaved) until the bootstrap 95% interval of their mean
+            cost ratio excludes 1, or this many seconds have passed.
+        verify_min_rounds, verify_max_rounds: rounds before a decision / at most.
     """
 
     #: cost models of pooled kernels; splits columns and rows
@@ -706,7 +717,10 @@ class NeuroShardSharder:
         incremental: bool | str = "auto",
         verify: int | str = "auto",
         verify_heuristics: Sequence[str] = ("size_lookup_greedy", "lookup_greedy", "dim_greedy", "size_greedy"),
-        verify_rounds: int = 3,
+        verify_visits: int | None = None,
+        verify_budget_s: float = 120.0,
+        verify_min_rounds: int = 3,
+        verify_max_rounds: int = 10,
     ):
         for k, v in (("beam_width", beam_width), ("beam_steps", beam_steps), ("candidates", candidates)):
             if int(v) < 0:
@@ -722,8 +736,13 @@ class NeuroShardSharder:
         unknown = [h for h in verify_heuristics if h not in keys]
         if unknown:
             raise InputError(f"neuroshard: unknown verify_heuristics {unknown}; choose from {sorted(keys)}")
-        if int(verify_rounds) < 1:
-            raise InputError(f"neuroshard: verify_rounds must be >= 1, got {verify_rounds!r}")
+        if verify_visits is not None and int(verify_visits) < 1:
+            raise InputError(f"neuroshard: verify_visits must be >= 1 or null, got {verify_visits!r}")
+        if not float(verify_budget_s) >= 0:
+            raise InputError(f"neuroshard: verify_budget_s must be >= 0, got {verify_budget_s!r}")
+        if not 2 <= int(verify_min_rounds) <= int(verify_max_rounds):
+            raise InputError(f"neuroshard: need 2 <= verify_min_rounds <= verify_max_rounds, got "
+                             f"{verify_min_rounds!r}, {verify_max_rounds!r}")
         self.checkpoint = None if checkpoint in (None, "") else str(checkpoint)
         self.beam_width = int(beam_width)
         self.beam_steps = int(beam_steps)
@@ -740,7 +759,10 @@ class NeuroShardSharder:
         self.verify = verify
         self.verify_heuristics = tuple(verify_heuristics)
         self._heuristic_keys = keys
-        self.verify_rounds = int(verify_rounds)
+        self.verify_visits = None if verify_visits is None else int(verify_visits)
+        self.verify_budget_s = float(verify_budget_s)
+        self.verify_min_rounds = int(verify_min_rounds)
+        self.verify_max_rounds = int(verify_max_rounds)
         self.evaluator: Any = None
         self._predictor = predictor
         self._loaded = predictor is not None
@@ -857,9 +879,19 @@ class NeuroShardSharder:
         return plan
 
     def _guard(self, task: Task, found: list[tuple[Plan, float]], start: float) -> Plan:
-        """Measure the search's best plans and the heuristics' plans; return the measured best."""
+        """Measure the search's best plans and the heuristics' plans; return the search's
+        measured best only where it is shown better than the best heuristic's plan.
+
+        Round 1 measures every distinct candidate, interleaved, and names the search's best
+        (S) and the best heuristic (H). Later rounds measure S and H only, paired and
+        interleaved, until the bootstrap 95% interval of the mean per-round ratio S/H excludes
+        1 (at least `verify_min_rounds` rounds), the rounds reach `verify_max_rounds`, or the
+        time passes `verify_budget_s`. S is returned when the interval lies below 1; otherwise
+        (worse, or not resolved) H's plan is: the guard never trades a known plan for a coin
+        toss."""
         from embshard.errors import EmbshardError
         from embshard.search.baselines import GreedySharder
+        from embshard.stats import paired_ratio_summary
 
         labelled: list[tuple[str, str, Plan]] = [(f"{self.name}#{i + 1}", "search", p) for i, (p, _) in enumerate(found)]
         for h in self.verify_heuristics:
@@ -873,19 +905,50 @@ class NeuroShardSharder:
         unique: dict[tuple, int] = {}
         for i, (_, _, p) in enumerate(labelled):
             unique.setdefault(p.signature(), i)
-        measure = sorted(set(unique.values()))
+        first = sorted(set(unique.values()))
         t0 = time.perf_counter()
-        costs = self.evaluator.measure_many(task, [labelled[i][2] for i in measure], visits=self.verify_rounds)
-        seconds = time.perf_counter() - t0
-        measured = {i: c for i, c in zip(measure, costs)}
+        deadline = t0 + self.verify_budget_s
+        costs = self.evaluator.measure_many(task, [labelled[i][2] for i in first], visits=self.verify_visits)
+        measured = {i: c for i, c in zip(first, costs)}
         rows = []
         for i, (label, source, p) in enumerate(labelled):
             c = measured[unique[p.signature()]]
             rows.append({"label": label, "source": source, "same_as": labelled[unique[p.signature()]][0],
                          "predicted_ms": self.predicted_costs(task, p).plan_cost_ms,
                          "measured_ms": c.plan_cost_ms, "spread_ms": c.plan_cost_spread_ms})
-        best = min(range(len(labelled)), key=lambda i: (rows[i]["measured_ms"], i))
-        self.last_guard = GuardResult(rows, labelled[best][0], labelled[0][0], round(seconds, 3))
+        search_ids = [i for i, (_, src, _) in enumerate(labelled) if src == "search"]
+        heur_ids = [i for i, (_, src, _) in enumerate(labelled) if src == "heuristic"]
+        s = min(search_ids, key=lambda i: (rows[i]["measured_ms"], i))
+        rounds = [{labelled[i][0]: rows[i]["measured_ms"] for i in first}]
+        decision: dict[str, Any]
+        if not heur_ids:
+            best, decision = s, {"verdict": "no heuristic plan", "kept": labelled[s][0]}
+        else:
+            h = min(heur_ids, key=lambda i: (rows[i]["measured_ms"], i))
+            if labelled[s][2].signature() == labelled[h][2].signature():
+                best, decision = s, {"verdict": "same plan", "kept": labelled[s][0], "heuristic": labelled[h][0]}
+            else:
+                ratios = [rows[s]["measured_ms"] / rows[h]["measured_ms"]]
+                summary = None
+                while len(ratios) < self.verify_max_rounds and time.perf_counter() < deadline:
+                    cs, ch = self.evaluator.measure_many(task, [labelled[s][2], labelled[h][2]], visits=self.verify_visits)
+                    ratios.append(cs.plan_cost_ms / ch.plan_cost_ms)
+                    rounds.append({labelled[s][0]: cs.plan_cost_ms, labelled[h][0]: ch.plan_cost_ms})
+                    summary = paired_ratio_summary(ratios)
+                    if len(ratios) >= self.verify_min_rounds and summary.resolved:
+                        break
+                if summary is None:
+                    summary = paired_ratio_summary(ratios)
+                if len(ratios) < self.verify_min_rounds:  # out of time before a decision could be made
+                    verdict = "not resolved"
+                else:
+                    verdict = summary.verdict
+                best = s if verdict == "better" else h
+                decision = {"verdict": verdict, "kept": labelled[best][0], "search": labelled[s][0],
+                            "heuristic": labelled[h][0], "ratio": summary.to_dict(), "rounds": len(ratios),
+                            "budget_s": self.verify_budget_s}
+        seconds = time.perf_counter() - t0
+        self.last_guard = GuardResult(rows, labelled[best][0], labelled[0][0], round(seconds, 3), decision, rounds)
         chosen = labelled[best][2]
         return Plan(task.name, self.name, list(chosen.shards))
 

@@ -43,7 +43,7 @@ from embshard.costs.collect.records import (
     piece_record,
 )
 from embshard.errors import InputError
-from embshard.hardware.probe import run_probe
+from embshard.hardware.probe import Probe, measure_compute_with_probe, run_probe
 from embshard.hardware.protocol import MeasurementProtocol
 from embshard.io import atomic_path
 
@@ -158,22 +158,24 @@ def collect(
 
         bar = tqdm(total=len(todo), desc=f"cost data (rank {r}/{w})", unit="chunk")
     protocol = MeasurementProtocol.from_config(c["measure"])
+    probe: Probe | None = None
     probe_id: str | None = None
     try:
         for done, (_, kind, ch) in enumerate(todo):
             if protocol.probe and done % c["probe_every_chunks"] == 0:
-                # the session's speed probe, first and then every few chunks: samples name the
-                # probe timed closest before them, so pre-training can put every session's
-                # labels on one machine speed
+                # the session's speed probe, first and then every few chunks; comm samples name
+                # the one timed closest before them, compute chunks track their own (below), so
+                # pre-training can put every sample on one machine speed
                 probe = run_probe(protocol, backend=c["backend"], device=device, comm_backend=c["comm"]["backend"])
                 probe_id = save_probe(out, probe, r)
             t0 = time.perf_counter()
             if kind == "compute":
-                samples = _compute_chunk(c, ch, train_entries, test_entries, dims["compute"], device, protocol)
+                samples = _compute_chunk(c, ch, train_entries, test_entries, dims["compute"], device, protocol, out, r,
+                                         probe)
             else:
                 samples = _comm_chunk(c, ch, protocol)
-            if probe_id is not None:
-                samples = [s | {"probe": probe_id} for s in samples]
+                if probe_id is not None:
+                    samples = [s | {"probe": probe_id} for s in samples]
             path = chunk_path(out, kind, r, ch)
             path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_path(path) as tmp:
@@ -204,7 +206,11 @@ def _chunk_batch(section: Mapping[str, Any], default: int, rng: np.random.Genera
 
 
 def _compute_chunk(c: dict[str, Any], chunk: int, train: list, test: list, dims: list[int],
-                   device: str, protocol: MeasurementProtocol) -> list[dict[str, Any]]:
+                   device: str, protocol: MeasurementProtocol, out: Path, rank: int,
+                   session: Probe | None) -> list[dict[str, Any]]:
+    """One chunk of compute samples. With the protocol's probe, the probe's kernels are timed
+    interleaved with the chunk's shards and saved as the chunk's own probe, which its samples
+    name (the machine's speed while they were measured)."""
     from embshard.hardware.backends import ShardInput
     from embshard.hardware.compute import measure_compute
 
@@ -233,14 +239,17 @@ def _compute_chunk(c: dict[str, Any], chunk: int, train: list, test: list, dims:
         shards.append(drawn)
         splits.append(side)
     sets = [[ShardInput(t, sh) for t, sh in s] for s in shards]
-    timings = measure_compute(
-        sets, batch, backend=c["backend"], device=device, optimizer=c["optimizer"],
-        protocol=protocol,
-        seed=_measure_seed(c["seed"], "compute", chunk), max_cached_bytes=k["max_cached_bytes"],
-    )
+    kw = dict(backend=c["backend"], device=device, optimizer=c["optimizer"], protocol=protocol,
+              seed=_measure_seed(c["seed"], "compute", chunk), max_cached_bytes=k["max_cached_bytes"])
+    tag: dict[str, Any] = {}
+    if protocol.probe:
+        timings, tracked = measure_compute_with_probe(sets, batch, session=session, **kw)
+        tag = {"probe": save_probe(out, tracked, rank)}
+    else:
+        timings = measure_compute(sets, batch, **kw)
     return [
         compute_record(f"compute-{chunk:06d}-{i:03d}", side, [piece_record(t, sh, batch) for t, sh in s], batch,
-                       tm.median_ms, tm.spread_ms, tm.samples_ms, noise=round(tm.noise, 5))
+                       tm.median_ms, tm.spread_ms, tm.samples_ms, noise=round(tm.noise, 5), **tag)
         for i, (s, side, tm) in enumerate(zip(shards, splits, timings))
     ]
 

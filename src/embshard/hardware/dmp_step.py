@@ -1,0 +1,254 @@
+"""What the training step pays for embeddings, measured on TorchRec's own sharded module.
+
+The kernel-and-all-to-all measurement (`hardware.compute`, `hardware.comm`) times the fused
+embedding kernel of each device and the all-to-all of pooled embeddings. A training step under
+TorchRec's DistributedModelParallel pays more, and differently per sharding type: the
+all-to-all of the input ids (`input_dist`: a KeyedJaggedTensor split by feature, and for
+row-wise tables bucketized by row block first, every id sent to the rank that holds its row),
+the lookups, the output distribution (an all-to-all of pooled embeddings; a reduce-scatter of
+full-width partial sums for row-wise tables), and the backward of all of it with the fused
+optimizer update.
+
+`measure_dmp_steps` times exactly that. D gloo processes (D = the task's devices) each wrap
+the task's EmbeddingBagCollection in DistributedModelParallel once per plan (TorchRec's
+EmbeddingBagCollectionSharder, the task's optimizer fused into backward), then, under the
+measurement protocol (pinned ranks, one thread, caching allocator), visit the plans in
+interleaved order; each timed step starts from a barrier and records, per rank:
+
+* `input_dist_ms`: the sharded module's `input_dist(...)` until its ids have arrived;
+* `forward_ms`: `compute_and_output_dist(...)` until the pooled embeddings are ready
+  (lookups, output all-to-all or reduce-scatter, and waiting for the slowest rank);
+* `backward_ms`: the backward from the pooled embeddings (output distribution's backward,
+  the kernels' backward, the fused update).
+
+Every rank feeds its own share of the global batch (ids drawn per table from seeds fixed per
+rank and repetition, so plans and sessions see the same ids). The step cost of a plan is, per
+repetition, the slowest rank's sum (ranks meet in every all-to-all), then the protocol's
+statistic over repetitions.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from embshard.hardware.protocol import MeasurementProtocol, Timing, allowed_cores
+from embshard.plan import Plan
+from embshard.task import Task
+
+PHASES = ("input_dist", "forward", "backward")
+
+
+@dataclass
+class DmpStep:
+    """One plan's DMP embedding step: per rank and phase, the protocol's statistic (ms), and
+    the plan's step cost (per repetition the slowest rank's total; then the statistic)."""
+
+    input_dist_ms: list[float]
+    forward_ms: list[float]
+    backward_ms: list[float]
+    step_ms: float
+    step_noise: float
+    step_samples_ms: list[float] = field(default_factory=list)
+
+    @property
+    def rank_total_ms(self) -> list[float]:
+        return [a + b + c for a, b, c in zip(self.input_dist_ms, self.forward_ms, self.backward_ms)]
+
+
+def measure_dmp_steps(task: Task, plans: Sequence[Plan], protocol: MeasurementProtocol | None = None,
+                      seed: int = 0, timeout_s: float | None = None, progress: bool = False,
+                      cores: Sequence[int] | None = None) -> list[DmpStep]:
+    """Time every plan's embedding step on DistributedModelParallel, interleaved (module docstring).
+
+    Raises:
+        RuntimeError: a rank failed (its traceback in the message); TimeoutError.
+    """
+    protocol = protocol or MeasurementProtocol()
+    plans = list(plans)
+    if not plans:
+        return []
+    from embshard.plan import validate
+    from embshard.torchrec_bridge import plan_to_torchrec
+
+    for p in plans:
+        validate(task, p)
+        plan_to_torchrec(task, p, world_size=task.num_devices)  # a plan TorchRec cannot train fails here, in one line
+    d = task.num_devices
+    cores = list(cores) if cores is not None else allowed_cores(idlest_first=True)
+    if timeout_s is None:
+        timeout_s = 300.0 + 60.0 * len(plans) * protocol.visits * max(1.0, d / max(1, len(cores)))
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="embshard-dmp-")
+    results: queue.Queue = ctx.Queue()
+    procs = []
+    try:
+        for rank in range(d):
+            p = ctx.Process(target=_worker, args=(rank, d, os.path.join(tmp, "store"), task.to_dict(),
+                                                  [pl.to_dict() for pl in plans], protocol.to_dict(), cores, seed,
+                                                  results, progress, float(timeout_s)), daemon=True)
+            p.start()
+            procs.append(p)
+        per_rank: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(per_rank) < d:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"DMP step measurement on {d} ranks took longer than {timeout_s:.0f} s")
+            try:
+                kind, rank, body = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    try:
+                        kind, rank, body = results.get(timeout=2.0)
+                    except queue.Empty:
+                        raise RuntimeError(f"DMP step worker exited with code {dead[0].exitcode} and no message") from None
+                else:
+                    continue
+            if kind == "error":
+                raise RuntimeError(f"DMP step worker rank {rank} failed:\n{body}")
+            per_rank[rank] = body
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        results.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    out = []
+    for k in range(len(plans)):
+        # samples[rank][phase][visit][rep]
+        phases = {ph: [protocol.summarize(per_rank[r][k][i], seed=r) for r in range(d)] for i, ph in enumerate(PHASES)}
+        n_visits = len(per_rank[0][k][0])
+        per_visit = []
+        for v in range(n_visits):
+            reps = len(per_rank[0][k][0][v])
+            per_visit.append([max(sum(per_rank[r][k][i][v][j] for i in range(len(PHASES))) for r in range(d))
+                              for j in range(reps)])
+        step: Timing = protocol.summarize(per_visit)
+        out.append(DmpStep([t.median_ms for t in phases["input_dist"]], [t.median_ms for t in phases["forward"]],
+                           [t.median_ms for t in phases["backward"]], step.median_ms, step.noise,
+                           list(step.samples_ms)))
+    return out
+
+
+def local_batch(task: Task, rank: int, world: int, rng: np.random.Generator):
+    """This rank's KeyedJaggedTensor: its share of the global batch, ids of every table."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from embshard.data.indices import batch_indices
+    from embshard.hardware.comm import batch_split
+
+    b = batch_split(task.batch_size, world)[rank]
+    lengths, values = [], []
+    for t in task.tables:
+        idx, off = batch_indices(t, b, rng)
+        lengths.append(off[1:] - off[:-1])
+        values.append(idx)
+    return KeyedJaggedTensor.from_lengths_sync(keys=[t.name for t in task.tables], values=torch.cat(values),
+                                               lengths=torch.cat(lengths).to(torch.int64))
+
+
+def _worker(rank, world, store_path, task_dict, plan_dicts, protocol_dict, cores, seed, results, progress,
+            timeout_s) -> None:
+    try:
+        import datetime
+
+        import torch.distributed as dist
+
+        from embshard.hardware.protocol import set_worker_process
+
+        protocol = MeasurementProtocol.from_config(protocol_dict)
+        set_worker_process(protocol, rank, cores, threads=protocol.threads or 1)
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            out = _measure(rank, world, Task.from_dict(task_dict), [Plan.from_dict(p) for p in plan_dicts], protocol,
+                           seed, progress)
+        finally:
+            dist.barrier()
+            dist.destroy_process_group()
+        results.put(("ok", rank, out))
+    except BaseException:  # noqa: BLE001 - report everything to the parent, then die
+        results.put(("error", rank, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def _measure(rank: int, world: int, task: Task, plans: list[Plan], protocol: MeasurementProtocol, seed: int,
+             progress: bool) -> list:
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from embshard.search.torchrec_planner import fused_optimizer_class
+    from embshard.torchrec_bridge import plan_to_torchrec, task_to_ebc
+
+    models = []
+    for plan in plans:
+        ebc = task_to_ebc(task, device="meta")
+        apply_optimizer_in_backward(fused_optimizer_class(task.optimizer), ebc.parameters(), {"lr": 0.01})
+        dmp = DistributedModelParallel(module=ebc, device=torch.device("cpu"),
+                                       plan=plan_to_torchrec(task, plan, world_size=world, device_type="cpu"),
+                                       sharders=[EmbeddingBagCollectionSharder()])
+        models.append(dmp.module)  # the ShardedEmbeddingBagCollection
+    n_batches = protocol.warmups + protocol.repetitions
+    batches = [local_batch(task, rank, world, np.random.default_rng([seed, rank, j])) for j in range(n_batches)]
+    grads: dict[int, torch.Tensor] = {}
+    samples = [[[] for _ in PHASES] for _ in plans]  # [plan][phase][visit][rep]
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=protocol.visits * len(plans), desc=f"DMP steps x{world}", leave=False)
+
+    def step(sebc, kjt) -> tuple[float, float, float]:
+        dist.barrier()
+        t0 = time.perf_counter()
+        ctx = sebc.create_context()
+        dist_input = sebc.input_dist(ctx, kjt).wait().wait()
+        t1 = time.perf_counter()
+        out = sebc.compute_and_output_dist(ctx, dist_input)
+        kt = out.wait() if hasattr(out, "wait") else out
+        values = kt.values()
+        t2 = time.perf_counter()
+        g = grads.get(values.numel())
+        if g is None or g.shape != values.shape:
+            g = grads[values.numel()] = torch.full_like(values, 1e-3)
+        values.backward(g)
+        t3 = time.perf_counter()
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
+
+    for v in range(protocol.visits):
+        for k, sebc in enumerate(models):
+            for b in batches[: protocol.warmups]:
+                step(sebc, b)
+            timed = [step(sebc, b) for b in batches[protocol.warmups:]]
+            for i in range(len(PHASES)):
+                samples[k][i].append([t[i] for t in timed])
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return samples

@@ -1,0 +1,245 @@
+"""The measurement protocol: pinning, the allocator, the statistic, the speed probe and the
+rescaling it drives, the bootstrap of paired ratios, and the guard's decision rule."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import resource
+
+import numpy as np
+import pytest
+import torch
+
+from embshard.costs.base import DeviceCosts
+from embshard.costs.neural import CommSample, ComputeSample, normalize_to_probe
+from embshard.errors import InputError
+from embshard.hardware.backends import FbgemmKernel, TorchKernel, available_backends
+from embshard.hardware.probe import Probe, rescale_summary, run_probe, use_probe
+from embshard.hardware.protocol import (MeasurementProtocol, Timing, allowed_cores, cores_for, measuring_process,
+                                        set_worker_process)
+from embshard.plan import Plan, Shard
+from embshard.search.neuroshard import NeuroShardSharder
+from embshard.stats import bootstrap_mean_ci, paired_ratio_summary
+from embshard.tables import Table
+from embshard.task import Task
+
+BACKEND = "fbgemm" if "fbgemm" in available_backends() else "torch"
+
+
+# ----------------------------------------------------------------------------- protocol
+def test_protocol_rejects_what_cannot_be_measured():
+    with pytest.raises(InputError, match="threads=1"):
+        MeasurementProtocol(timer="thread_cpu", threads=2)
+    with pytest.raises(InputError, match="fixed thread count"):
+        MeasurementProtocol(pin="auto", threads=None)
+    with pytest.raises(InputError, match="unknown setting"):
+        MeasurementProtocol.from_config({"visit": 3})
+    with pytest.raises(InputError, match="statistic"):
+        MeasurementProtocol(statistic="mean")
+    assert MeasurementProtocol.from_config({"pin": [1, 0], "threads": 1}).pin == (1, 0)
+
+
+def test_cores_for_gives_each_process_its_own_cores():
+    p1 = MeasurementProtocol(threads=1)
+    assert [cores_for(p1, i, [0, 1, 2]) for i in range(4)] == [[0], [1], [2], [0]]
+    p2 = MeasurementProtocol(threads=2)
+    assert [cores_for(p2, i, [4, 5, 6, 7]) for i in range(3)] == [[4, 5], [6, 7], [4, 5]]
+    assert cores_for(MeasurementProtocol(pin="none", threads=None), 0, [0, 1]) is None
+    assert cores_for(MeasurementProtocol(pin=(3,), threads=1), 5, [0, 1]) == [3]
+
+
+def test_measuring_process_pins_fixes_threads_and_restores():
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    core = sorted(before)[-1]
+    with measuring_process(MeasurementProtocol(pin=(core,), threads=1)) as s:
+        assert os.sched_getaffinity(0) == {core} and s.cores == [core]
+        assert torch.get_num_threads() == 1
+    assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads
+
+
+def _report_affinity(index, cores, q):
+    set_worker_process(MeasurementProtocol(threads=1), index, cores)
+    q.put((index, sorted(os.sched_getaffinity(0))))
+
+
+@pytest.mark.slow
+def test_spawned_workers_pin_round_robin_over_the_callers_cores():
+    cores = allowed_cores()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_report_affinity, args=(i, cores, q)) for i in range(3)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert got == {i: [cores[i % len(cores)]] for i in range(3)}
+
+
+def test_caching_allocator_removes_page_faults_from_the_timed_step():
+    def faults_per_alloc() -> float:
+        x = torch.empty(64 << 20, dtype=torch.uint8)  # warm: the heap grows once
+        x.fill_(1)
+        del x
+        r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(5):
+            x = torch.empty(64 << 20, dtype=torch.uint8)
+            x.fill_(1)
+            del x
+        return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 5
+
+    default = faults_per_alloc()  # glibc mmaps a 64 MiB block afresh each time: one fault per page
+    with measuring_process(MeasurementProtocol(pin="none", threads=None, malloc="cache")):
+        cached = faults_per_alloc()
+    assert default > 10_000 and cached < 100, (default, cached)
+
+
+def test_timing_statistics_against_hand_values():
+    visits = [[1.0, 2.0, 3.0], [10.0, 11.0, 12.0], [2.0, 3.0, 4.0]]
+    t = Timing.of_visits(visits, "median")
+    assert t.median_ms == 3.0 and t.visits == 3  # the median of all nine samples
+    assert t.spread_ms == pytest.approx(np.percentile(sum(visits, []), 75) - np.percentile(sum(visits, []), 25))
+    m = Timing.of_visits(visits, "median_of_visits")
+    assert m.median_ms == 3.0  # visit means 2, 11, 3
+    assert Timing.of_visits([[5.0] * 3] * 4).noise == 0.0  # no spread, no noise
+    assert Timing.of_visits(visits).noise > 0.1
+
+
+# ----------------------------------------------------------------------------- probe and rescaling
+def _probe(compute, comm=10.0) -> Probe:
+    return Probe(compute_ms=dict(compute), comm_ms=comm, backend="fbgemm", device="cpu")
+
+
+def test_probe_speed_is_per_model_and_refuses_other_hardware():
+    ref = _probe({"a": 2.0, "b": 8.0}, 10.0)
+    now = _probe({"a": 4.0, "b": 32.0}, 5.0)
+    s = now.speed_vs(ref)
+    assert s["compute"] == pytest.approx(np.sqrt(2.0 * 4.0))  # geometric mean of the kernels' ratios
+    assert s["forward_comm"] == s["backward_comm"] == pytest.approx(0.5)
+    gpu = Probe(compute_ms={"a": 1.0}, comm_ms=None, backend="torch", device="cuda")
+    with pytest.raises(InputError, match="different hardware"):
+        gpu.speed_vs(ref)
+    assert rescale_summary(ref, gpu)["applied"] is False
+    assert rescale_summary(None, now) == {"applied": False, "reason": "the checkpoint records no probe",
+                                          "probe": now.to_dict()}
+    with pytest.raises(InputError):
+        Probe.from_dict({"compute_ms": {"a": -1.0}, "comm_ms": 1.0})
+
+
+@pytest.mark.slow
+def test_probe_recovers_a_known_slowdown_and_the_checkpoint_rescales_by_it(monkeypatch, tmp_path):
+    proto = MeasurementProtocol(visits=3, repetitions=3, probe=False)
+    base = run_probe(proto, backend=BACKEND, comm_backend=None)
+    kernel = FbgemmKernel if BACKEND == "fbgemm" else TorchKernel
+    step = kernel.step
+
+    def twice(self, batch):  # the machine at half speed: every step does its work twice
+        step(self, batch)
+        step(self, batch)
+
+    monkeypatch.setattr(kernel, "step", twice)
+    slow = run_probe(proto, backend=BACKEND, comm_backend=None)
+    monkeypatch.undo()
+    speed = slow.speed_vs(base)["compute"]
+    assert 1.7 < speed < 2.3, (base.compute_ms, slow.compute_ms)
+    # a checkpoint trained beside `base`, used beside `slow`, predicts that much longer
+    from embshard.costs.neural import NeuralCostModels
+
+    bundle = torch.load("checkpoints/cpu_fbgemm/cost_models.pt", weights_only=True)
+    bundle["probe"] = base.to_dict()
+    plain = NeuralCostModels(bundle)
+    with use_probe(slow):
+        moved = NeuralCostModels(bundle)
+    assert moved.rescale["applied"] and moved.scale["compute"] == pytest.approx(speed)
+    t = Table("u", 300_000, 64, 25.0)
+    a = plain.at_batch(8192).compute_ms([[t]])[0]
+    b = moved.at_batch(8192).compute_ms([[t]])[0]
+    assert b / a == pytest.approx(speed, rel=1e-6)
+
+
+def test_labels_of_two_sessions_are_put_on_the_median_probe():
+    t = Table("t", 1000, 8, 2.0)
+    fast, slow, mid = _probe({"k": 1.0}, 2.0), _probe({"k": 2.0}, 8.0), _probe({"k": 1.5}, 4.0)
+    compute = [ComputeSample([t], 64, 10.0, probe="fast"), ComputeSample([t], 64, 20.0, probe="slow"),
+               ComputeSample([t], 64, 15.0, probe="mid")]
+    comm = [CommSample([8, 8], [0.0, 3.0], 64, [5.0 + 3.0, 5.0], [4.0, 4.0], probe="slow")]
+    info = normalize_to_probe(compute, comm, {"fast": fast, "slow": slow, "mid": mid})
+    assert info["reference"]["compute_ms"] == {"k": 1.5}  # the median of the three
+    # the same work at the reference speed: 10 / (1/1.5), 20 / (2/1.5), 15
+    assert [s.ms for s in compute] == pytest.approx([15.0, 15.0, 15.0])
+    # comm beside `slow` ran 8/4 = 2x long: beyond the wait it halves, the wait (a sleep) stays
+    assert comm[0].forward_ms == pytest.approx([3.0 + 2.5, 2.5]) and comm[0].backward_ms == pytest.approx([2.0, 2.0])
+    with pytest.raises(InputError, match="name no speed probe"):
+        normalize_to_probe([ComputeSample([t], 64, 1.0, probe="fast"), ComputeSample([t], 64, 1.0)], [], {"fast": fast})
+    assert normalize_to_probe([ComputeSample([t], 64, 1.0)], [], {}) is None
+
+
+# ----------------------------------------------------------------------------- statistics
+def test_bootstrap_interval_of_a_known_case():
+    rng = np.random.default_rng(3)
+    x = rng.normal(1.10, 0.05, size=400)
+    mean, lo, hi = bootstrap_mean_ci(x)
+    se = x.std(ddof=1) / np.sqrt(x.size)  # for n this large the bootstrap is the normal interval
+    assert mean == pytest.approx(x.mean())
+    assert lo == pytest.approx(mean - 1.96 * se, abs=0.2 * se) and hi == pytest.approx(mean + 1.96 * se, abs=0.2 * se)
+    assert paired_ratio_summary(x).verdict == "worse"
+    assert paired_ratio_summary(2.0 - x).verdict == "better"
+    assert paired_ratio_summary(rng.normal(1.0, 0.05, size=20) + 0.001).verdict == "not resolved"
+    one = paired_ratio_summary([0.5])
+    assert (one.low, one.high, one.verdict) == (0.5, 0.5, "not resolved")  # one value decides nothing
+    with pytest.raises(InputError):
+        paired_ratio_summary([1.0, -1.0])
+
+
+# ----------------------------------------------------------------------------- the guard's rule
+class ScriptedEvaluator:
+    """Costs by plan algorithm from a script (the guard's decision logic, not the hardware)."""
+
+    def __init__(self, costs: dict[str, list[float]]):
+        self.costs = {k: list(v) for k, v in costs.items()}
+        self.calls: list[list[str]] = []
+
+    def measure_many(self, task, plans, visits=None):
+        self.calls.append([p.algorithm for p in plans])
+        return [DeviceCosts([self.costs[p.algorithm].pop(0)], [0.0], [0.0]) for p in plans]
+
+
+def _guard_task():
+    tables = tuple(Table(f"t{i}", 100, 8, 1.0 + i) for i in range(4))
+    return Task("g", 2, 1 << 30, 64, tables)
+
+
+def _run_guard(search_costs, heuristic_costs, **kw):
+    task = _guard_task()
+    s = NeuroShardSharder(checkpoint=None, verify=1, verify_heuristics=["size_greedy"], verify_min_rounds=3,
+                          verify_max_rounds=6, **kw)
+    # not size_greedy's plan: three tables on device 0
+    search_plan = Plan(task.name, "neuroshard#1", [Shard.whole(t, int(i == 3)) for i, t in enumerate(task.tables)])
+    ev = ScriptedEvaluator({"neuroshard#1": search_costs, "size_greedy": heuristic_costs})
+    s.attach_evaluator(ev)
+    plan = s._guard(task, [(search_plan, 1.0)], 0.0)
+    return s.last_guard, plan, ev, search_plan
+
+
+def test_guard_keeps_the_search_plan_only_when_shown_better():
+    g, plan, ev, sp = _run_guard([9.0, 9.1, 8.9, 9.0, 9.0, 9.0], [10.0, 10.1, 10.0, 9.9, 10.0, 10.0])
+    assert g.decision["verdict"] == "better" and g.chosen == "neuroshard#1"
+    assert plan.shards == sp.shards and g.decision["rounds"] == 3  # stops at the first resolved round
+    # round 1 measures every candidate; later rounds the two, paired
+    assert ev.calls == [["neuroshard#1", "size_greedy"]] * 3
+
+
+def test_guard_returns_the_heuristic_when_not_resolved_or_worse():
+    g, plan, ev, sp = _run_guard([9.0, 11.0, 9.0, 11.0, 9.0, 11.0], [10.0] * 6)
+    assert g.decision["verdict"] == "not resolved" and g.chosen == "size_greedy"
+    assert g.decision["rounds"] == 6 and plan.shards != sp.shards  # measured to the round limit
+    lo, hi = g.decision["ratio"]["low"], g.decision["ratio"]["high"]
+    assert lo < 1.0 < hi
+    g, plan, _, _ = _run_guard([12.0, 12.0, 12.1, 12.0, 12.0, 12.0], [10.0] * 6)
+    assert g.decision["verdict"] == "worse" and g.chosen == "size_greedy"
+
+
+def test_guard_budget_stops_measuring_and_keeps_the_heuristic():
+    g, _, ev, _ = _run_guard([9.0] * 6, [10.0] * 6, verify_budget_s=0.0)
+    assert len(ev.calls) == 1 and g.decision["verdict"] == "not resolved" and g.chosen == "size_greedy"
