@@ -718,7 +718,7 @@ class NeuroShardSharder:
         verify: int | str = "auto",
         verify_heuristics: Sequence[str] = ("size_lookup_greedy", "lookup_greedy", "dim_greedy", "size_greedy"),
         verify_visits: int | None = None,
-        verify_budget_s: float = 120.0,
+        verify_budget_s: float = 60.0,
         verify_min_rounds: int = 3,
         verify_max_rounds: int = 10,
     ):
