@@ -6,8 +6,10 @@ Example:
 
 Per task: the algorithm's measured cost, its search's own pick before the guard (the
 `<algorithm>_pick` row, when the guard ran), the best heuristic's (the lowest of the baselines
-present), TorchRec's, the ratios, and whether the algorithm was worse than the best heuristic
-by more than the measurement spread (the larger of the two plans' IQRs). Then the means.
+present), TorchRec's, the ratios, and the paired ratio's bootstrap 95% interval within the task
+(repetitions measured in the same visits pair up; report.json's `vs_best_heuristic`) with its
+verdict: worse beyond the interval when all of it lies above 1. Then the mean ratio over tasks
+with its bootstrap 95% interval over tasks, and "not resolved" where it straddles 1.
 `--by-devices`: a markdown table instead, per device count and in all: every algorithm's mean
 measured cost, the ratios (mean per task) of the algorithm and of its pick to the best heuristic
 and to TorchRec, and mean search seconds.
@@ -18,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 from statistics import mean
+
+from embshard.stats import paired_ratio_summary
 
 BASELINES = ("random", "round_robin", "size_greedy", "dim_greedy", "lookup_greedy", "size_lookup_greedy")
 
@@ -51,9 +55,30 @@ def rows_of(report: dict, algorithm: str, metric: str) -> list[dict]:
         row["vs_best"] = row["mine"] / row["best"]
         row["pick_vs_best"] = row["pick"] / row["best"] if row["pick"] is not None else None
         row["vs_torchrec"] = row["mine"] / row["torchrec"] if row["torchrec"] else None
-        row["worse_beyond_spread"] = row["mine"] - row["best"] > spread
+        row["interval"] = paired_interval(mine, best)
+        row["worse_beyond_spread"] = (row["interval"]["verdict"] == "worse" if row["interval"] is not None
+                                      else row["mine"] - row["best"] > spread)
         out.append(row)
     return out
+
+
+def paired_interval(a: dict, b: dict) -> dict | None:
+    """a / b within one task: the bootstrap interval of the mean of their per-repetition cost
+    ratios (repetition i of both plans ran in the same visit); None without paired samples
+    (reports written before they were recorded)."""
+    sa = (a.get("measured_device_costs") or {}).get("plan_cost_samples_ms") or []
+    sb = (b.get("measured_device_costs") or {}).get("plan_cost_samples_ms") or []
+    if a is b or len(sa) < 2 or len(sa) != len(sb) or min(sa + sb) <= 0:
+        return None
+    return paired_ratio_summary([x / y for x, y in zip(sa, sb)]).to_dict()
+
+
+def overall(ratios: list[float]) -> str:
+    """Mean of per-task ratios with its bootstrap interval over tasks and the verdict."""
+    if len(ratios) < 2:
+        return f"{mean(ratios):.3f}x (one task: no interval)" if ratios else "-"
+    s = paired_ratio_summary(ratios)
+    return f"{s.mean:.3f}x [{s.low:.3f}, {s.high:.3f}] {s.verdict}"
 
 
 def by_devices_table(reports: list[dict], algorithm: str, metric: str) -> str:
@@ -89,13 +114,14 @@ def by_devices_table(reports: list[dict], algorithm: str, metric: str) -> str:
             if not v:
                 cells.append("-")
                 continue
-            cell = f"{mean(v):.3f}x"
+            cell = overall(v)
             if worse:
                 mine = "mine" if key == "vs_best" else "pick"
                 better = sum(x[mine] < x["best"] for x in rows if x[mine] is not None)
                 spread = "spread" if key == "vs_best" else "pick_spread"
-                beyond = sum(x[mine] - x["best"] > x[spread] for x in rows if x[mine] is not None)
-                cell += f" (better on {better}/{len(v)}, worse beyond the spread on {beyond}/{len(v)})"
+                beyond = sum(x["worse_beyond_spread"] if mine == "mine" else x[mine] - x["best"] > x[spread]
+                             for x in rows if x[mine] is not None)
+                cell += f" (better on {better}/{len(v)}, worse beyond the interval on {beyond}/{len(v)})"
             cells.append(cell)
         what = "best heuristic" if worse else "torchrec"
         lines.append(f"| {label} / {what}, mean per task | {' | '.join(cells)} |")
@@ -106,6 +132,10 @@ def by_devices_table(reports: list[dict], algorithm: str, metric: str) -> str:
         cells.append(" / ".join(f"{mean(x):.1f}" if x else "-" for x in v.values()))
     lines.append(f"| mean search s ({algorithm} / {algorithm}_pick / torchrec) | {' | '.join(cells)} |")
     return "\n".join(lines)
+
+
+def _iv(iv: dict | None) -> str:
+    return "" if iv is None else f" [{iv['low']:.3f}, {iv['high']:.3f}] {iv['verdict']}"
 
 
 def _f(x, p: str) -> str:
@@ -130,28 +160,28 @@ def main() -> None:
     rows = [row for report in reports for row in rows_of(report, args.algorithm, args.metric)]
     a = args.algorithm
     if args.markdown:
-        print(f"| task | devices | {a} (ms) | search pick (ms) | best heuristic (ms) | torchrec (ms) | {a} / best heuristic | "
-              f"{a} / torchrec | worse beyond spread |")
+        print(f"| task | devices | {a} (ms) | search pick (ms) | best heuristic (ms) | torchrec (ms) | {a} / best heuristic "
+              f"[95% CI] | {a} / torchrec | worse beyond the interval |")
         print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if args.markdown:
             print(f"| {r['task']} | {r['devices']} | {r['mine']:.1f} | {_f(r['pick'], '{:.1f}')} | {r['best']:.1f} ({r['best_name']}) | "
-                  f"{_f(r['torchrec'], '{:.1f}')} | {r['vs_best']:.3f}x | {_f(r['vs_torchrec'], '{:.3f}x')} | "
+                  f"{_f(r['torchrec'], '{:.1f}')} | {r['vs_best']:.3f}x{_iv(r['interval'])} | {_f(r['vs_torchrec'], '{:.3f}x')} | "
                   f"{'YES' if r['worse_beyond_spread'] else 'no'} |")
         else:
             print(f"{r['task']:24s} D={r['devices']:<3d} {a} {r['mine']:8.1f}  pick {_f(r['pick'], '{:8.1f}')}  best heuristic "
                   f"{r['best']:8.1f} ({r['best_name']})  torchrec {_f(r['torchrec'], '{:8.1f}')}  ratio {r['vs_best']:.3f}"
-                  + ("  WORSE beyond the spread" if r["worse_beyond_spread"] else ""))
+                  + _iv(r["interval"]) + ("  WORSE beyond the interval" if r["worse_beyond_spread"] else ""))
     if not rows:
         print("no task has both the algorithm and a baseline")
         return
     tr = [r["vs_torchrec"] for r in rows if r["vs_torchrec"] is not None]
     picks = [r["pick_vs_best"] for r in rows if r["pick_vs_best"] is not None]
-    print(f"\n{a}: {len(rows)} tasks; mean cost / best heuristic's {mean(r['vs_best'] for r in rows):.3f}x "
-          f"(better on {sum(r['mine'] < r['best'] for r in rows)}, worse beyond the spread on "
+    print(f"\n{a}: {len(rows)} tasks; mean cost / best heuristic's {overall([r['vs_best'] for r in rows])} "
+          f"(better on {sum(r['mine'] < r['best'] for r in rows)}, worse beyond the interval on "
           f"{sum(r['worse_beyond_spread'] for r in rows)})"
-          + (f"; its search's own pick {mean(picks):.3f}x" if picks else "")
-          + (f"; mean cost / torchrec's {mean(tr):.3f}x" if tr else ""))
+          + (f"; its search's own pick {overall(picks)}" if picks else "")
+          + (f"; mean cost / torchrec's {overall(tr)}" if tr else ""))
 
 
 if __name__ == "__main__":
