@@ -662,6 +662,17 @@ class GuardResult:
                 "rounds": self.rounds}
 
 
+def heuristic_sharders() -> dict[str, Any]:
+    """The heuristics the guard can measure against, by their conf/search names: every greedy
+    baseline, round-robin and random (seed 0, as `search=random`)."""
+    from embshard.search.baselines import COST_KEYS, GreedySharder, RandomSharder, RoundRobinSharder
+
+    out: dict[str, Any] = {f"{k}_greedy": (lambda k=k: GreedySharder(k)) for k in COST_KEYS}
+    out["round_robin"] = RoundRobinSharder
+    out["random"] = lambda: RandomSharder(seed=0)
+    return out
+
+
 class NeuroShardSharder:
     """NeuroShard (`search=neuroshard`): greedy grid + split beam against cost models.
 
@@ -688,8 +699,9 @@ class NeuroShardSharder:
             `verify_heuristics`' plans, on the attached evaluator and return the measured
             best. "auto": 3 when an evaluator is attached (shard.py attaches one with
             evaluate=measured), else off. 0: off.
-        verify_heuristics: greedy baselines (conf/search names: size_greedy, dim_greedy,
-            lookup_greedy, size_lookup_greedy) whose plans the guard measures too.
+        verify_heuristics: baselines (conf/search names: size_greedy, dim_greedy, lookup_greedy,
+            size_lookup_greedy, round_robin, random with seed 0) whose plans the guard measures
+            too: by default all six, the set "the best heuristic" of an evaluation is taken from.
         verify_visits: interleaved visits per measuring round of the guard (None: the
             evaluator's protocol's).
         verify_budget_s: the guard keeps measuring (rounds of the search's best and the best
@@ -716,7 +728,8 @@ class NeuroShardSharder:
         delay_round_ms: float = 0.01,
         incremental: bool | str = "auto",
         verify: int | str = "auto",
-        verify_heuristics: Sequence[str] = ("size_lookup_greedy", "lookup_greedy", "dim_greedy", "size_greedy"),
+        verify_heuristics: Sequence[str] = ("size_lookup_greedy", "lookup_greedy", "dim_greedy", "size_greedy",
+                                            "round_robin", "random"),
         verify_visits: int | None = None,
         verify_budget_s: float = 60.0,
         verify_min_rounds: int = 3,
@@ -730,9 +743,7 @@ class NeuroShardSharder:
             raise InputError(f"neuroshard: caps must be positive numbers, got {list(caps)}")
         if verify != "auto" and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
             raise InputError(f"neuroshard: verify must be 'auto' or an integer >= 0, got {verify!r}")
-        from embshard.search.baselines import COST_KEYS
-
-        keys = {f"{k}_greedy": k for k in COST_KEYS}
+        keys = heuristic_sharders()
         unknown = [h for h in verify_heuristics if h not in keys]
         if unknown:
             raise InputError(f"neuroshard: unknown verify_heuristics {unknown}; choose from {sorted(keys)}")
@@ -890,13 +901,12 @@ class NeuroShardSharder:
         (worse, or not resolved) H's plan is: the guard never trades a known plan for a coin
         toss."""
         from embshard.errors import EmbshardError
-        from embshard.search.baselines import GreedySharder
         from embshard.stats import paired_ratio_summary
 
         labelled: list[tuple[str, str, Plan]] = [(f"{self.name}#{i + 1}", "search", p) for i, (p, _) in enumerate(found)]
         for h in self.verify_heuristics:
             try:
-                hp = GreedySharder(self._heuristic_keys[h], name=h).shard(task)
+                hp = self._heuristic_keys[h]().shard(task)
                 validate(task, hp)
             except EmbshardError as e:
                 log.debug("neuroshard guard: %s has no valid plan for %s (%s)", h, task.name, e)
