@@ -243,3 +243,36 @@ def test_guard_returns_the_heuristic_when_not_resolved_or_worse():
 def test_guard_budget_stops_measuring_and_keeps_the_heuristic():
     g, _, ev, _ = _run_guard([9.0] * 6, [10.0] * 6, verify_budget_s=0.0)
     assert len(ev.calls) == 1 and g.decision["verdict"] == "not resolved" and g.chosen == "size_greedy"
+
+
+# ----------------------------------------------------------------------------- the DMP embedding step
+@pytest.mark.slow
+def test_dmp_step_times_torchrecs_sharded_module_per_rank_and_phase():
+    pytest.importorskip("torchrec")
+    from embshard.hardware.dmp_step import measure_dmp_steps
+
+    tables = tuple(Table(f"t{i}", 20_000, 32, 20.0) for i in range(4))
+    task = Task("dmp", 2, 1 << 30, 2048, tables)
+    # three tables on rank 0, the fourth row-wise over both ranks (bucketized ids, reduce-scatter)
+    plan = Plan(task.name, "pile_up", [Shard.whole(t, 0) for t in tables[:3]]
+                + [Shard(tables[3].name, d, 0, 32, d * 10_000, 10_000) for d in (0, 1)])
+    [s] = measure_dmp_steps(task, [plan], MeasurementProtocol(visits=1, repetitions=3, warmups=1, probe=False))
+    assert len(s.input_dist_ms) == len(s.forward_ms) == len(s.backward_ms) == 2
+    assert all(x > 0 for x in s.input_dist_ms + s.forward_ms + s.backward_ms)
+    # the step cost is per repetition the slowest rank's total, so at least any rank's median total
+    assert s.step_ms >= 0.9 * max(s.rank_total_ms) and len(s.step_samples_ms) == 3
+    # the backward (after the gradients' all-to-all) is each rank's own work: rank 0 updates
+    # three and a half tables, rank 1 half of one
+    assert s.backward_ms[0] > 1.5 * s.backward_ms[1], s.backward_ms
+
+
+def test_dmp_step_refuses_a_plan_torchrec_cannot_train_before_spawning():
+    pytest.importorskip("torchrec")
+    from embshard.errors import PlanError
+    from embshard.hardware.dmp_step import measure_dmp_steps
+
+    t = Table("t0", 100, 8, 1.0)
+    task = Task("x", 2, 1 << 30, 64, (t,))
+    replicated = Plan(task.name, "dp", [Shard.whole(t, 0), Shard(t.name, 1, 0, 8, 0, 100, replica=1)])
+    with pytest.raises(PlanError):
+        measure_dmp_steps(task, [replicated])
