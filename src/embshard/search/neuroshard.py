@@ -704,9 +704,10 @@ class NeuroShardSharder:
             too: by default all six, the set "the best heuristic" of an evaluation is taken from.
         verify_visits: interleaved visits per measuring round of the guard (None: the
             evaluator's protocol's).
-        verify_budget_s: the guard keeps measuring (rounds of the search's best and the best
-            heuristic, paired and interleaved) until the bootstrap 95% interval of their mean
-            cost ratio excludes 1, or this many seconds have passed.
+        verify_budget_s: after round 1 (every candidate once), the guard keeps measuring (rounds
+            of the search's best and the best heuristic, paired and interleaved) until the
+            bootstrap 95% interval of their mean cost ratio excludes 1, or this many seconds
+            have passed.
         verify_min_rounds, verify_max_rounds: rounds before a decision / at most.
     """
 
@@ -917,8 +918,8 @@ class NeuroShardSharder:
             unique.setdefault(p.signature(), i)
         first = sorted(set(unique.values()))
         t0 = time.perf_counter()
-        deadline = t0 + self.verify_budget_s
         costs = self.evaluator.measure_many(task, [labelled[i][2] for i in first], visits=self.verify_visits)
+        deadline = time.perf_counter() + self.verify_budget_s  # for the paired rounds, after round 1
         measured = {i: c for i, c in zip(first, costs)}
         rows = []
         for i, (label, source, p) in enumerate(labelled):
