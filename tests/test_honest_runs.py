@@ -272,8 +272,10 @@ def test_estimated_tables_name_the_model_and_say_they_are_estimates(capsys, tmp_
     assert "neuroshard searched against this same model, so its estimate favours it" in stdout
     assert "estimate (ms)" in stdout
     r = report(out)
+    rescale = r["cost_model"].pop("rescale")  # how the checkpoint was put on this session's probe
     assert r["cost_model"] == {"name": "neural", "target": "embshard.costs.neural.NeuralCostModels.load",
                                "checkpoint": str(SHIPPED)}
+    assert rescale is None or "applied" in rescale
     neuro = [x for x in r["results"] if x["algorithm"] == "neuroshard"][0]
     assert neuro["search_info"]["cost_model"] == "neural" and neuro["search_info"]["checkpoint"] == str(SHIPPED)
 
@@ -384,6 +386,7 @@ def test_refine_stops_when_neuroshard_planned_nothing_instead_of_scoring_the_heu
     from embshard.data.tasks import user_tasks
     from embshard.errors import InfeasibleError
     from embshard.hardware.evaluator import HardwareEvaluator
+    from embshard.hardware.protocol import load_protocol
     from embshard.search.baselines import GreedySharder
     from tests.test_neural import write_data
 
@@ -397,7 +400,7 @@ def test_refine_stops_when_neuroshard_planned_nothing_instead_of_scoring_the_heu
         return {"neuroshard": NeuroShardSharder(checkpoint=str(tmp_path / "missing.pt"), verify=0),
                 "size_greedy": GreedySharder("size")}
 
-    evaluator = HardwareEvaluator(comm_backend=None, warmups=0, repetitions=1, seed=0)
+    evaluator = HardwareEvaluator(comm_backend=None, protocol=load_protocol("quick"), seed=0)
     with pytest.raises(InfeasibleError, match="refine round 0: neuroshard found no valid plan on any task"):
         refine({"data_dir": str(tmp_path / "base"), "checkpoint": str(SHIPPED), "rounds": 1, "stop_ratio": 1.25},
                {}, make_tasks, make_sharders, evaluator, tmp_path / "out")
