@@ -79,9 +79,13 @@ def test_spawned_workers_pin_round_robin_over_the_callers_cores():
 
 def test_caching_allocator_removes_page_faults_from_the_timed_step():
     def faults_per_alloc() -> float:
-        x = torch.empty(64 << 20, dtype=torch.uint8)  # warm: the heap grows once
-        x.fill_(1)
-        del x
+        # warm-up steps, as the protocol's: the heap grows until freed blocks are reused (glibc's
+        # per-thread cache first holds the tensors' small allocations between the big blocks,
+        # so this takes up to about 8 steps here)
+        for _ in range(16):
+            x = torch.empty(64 << 20, dtype=torch.uint8)
+            x.fill_(1)
+            del x
         counts = []
         for _ in range(5):
             r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -89,7 +93,7 @@ def test_caching_allocator_removes_page_faults_from_the_timed_step():
             x.fill_(1)
             del x
             counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
-        return float(np.median(counts))  # the heap may still grow once after the switch: the median step
+        return float(np.median(counts))
 
     default = faults_per_alloc()  # glibc mmaps a 64 MiB block afresh each time: one fault per page
     with measuring_process(MeasurementProtocol(pin="none", threads=None, malloc="cache")):

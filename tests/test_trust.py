@@ -151,7 +151,7 @@ def test_guard_returns_the_measured_best_plan():
 
 
 # ----------------------------------------------------------------------------- the shipped checkpoint
-def test_shipped_checkpoint_is_refined_and_loads_weights_only():
+def test_shipped_checkpoint_is_measured_under_the_protocol_and_loads_weights_only():
     from embshard.costs.neural import NeuralCostModels
 
     raw = torch.load(CHECKPOINT, weights_only=True)
@@ -159,7 +159,10 @@ def test_shipped_checkpoint_is_refined_and_loads_weights_only():
     assert env["compute_batch_sizes"][0] <= 2048 and env["compute_batch_sizes"][-1] >= 65536
     assert env["histograms"]["given"] > 0 and env["histograms"]["imputed"] > 0
     assert env["shard_pieces"][1] >= 40 and max(env["comm_devices"]) >= 16
-    assert raw["data"]["origins"].get("neuroshard", 0) > 0  # it has seen the search's own shards
+    # measured under the pinned protocol, with the speed probe its labels were put on
+    assert raw["probe"]["protocol"] == "pinned, tracked" and raw["probe"]["backend"] == "fbgemm"
+    assert set(raw["probe"]["compute_ms"]) == {"probe_cache", "probe_memory", "probe_wide"}
+    assert all(v > 0 for v in raw["probe"]["compute_ms"].values()) and raw["probe"]["comm_ms"] > 0
     models = NeuralCostModels.load(CHECKPOINT)
     t = Table("u", 300_000, 64, 25.0)
     ms = models.at_batch(8192).compute_ms([[t], [t, t.with_dim(32, "v")]])
