@@ -23,10 +23,11 @@ def main(rank: int, world: int, folder: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'rendezvous')}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
-    try:
-        run(rank, world, folder)
-    finally:
-        dist.destroy_process_group()
+    run(rank, world, folder)
+    # every rank done with its collectives before any tears gloo down: a rank leaving while a
+    # peer's gloo threads still talk to it aborted with "terminate called without an active exception"
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run(rank: int, world: int, folder: str) -> None:
