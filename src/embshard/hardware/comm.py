@@ -21,9 +21,6 @@ moving bytes, not one thread's CPU time).
 from __future__ import annotations
 
 import os
-import queue
-import shutil
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -32,6 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from embshard.hardware.protocol import MeasurementProtocol, allowed_cores
+from embshard.hardware.spawn import run_ranks
 
 #: Bytes per float sent (pooled embeddings and their gradients are fp32).
 BYTES_PER_FLOAT = 4
@@ -131,59 +129,10 @@ def measure_comm(
         per_round = sum(max(c.delays_ms) / 1e3 + 0.05 + 2e-9 * batch_size * sum(c.widths) for c in cfgs)
         timeout_s = 120 + 10 * d + 4 * rounds * per_round * max(1, d / (os.cpu_count() or 1))
 
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    tmp = tempfile.mkdtemp(prefix="embshard-comm-")
-    results: queue.Queue = ctx.Queue()
-    procs = []
-    try:
-        payload = [(c.widths, c.delays_ms) for c in cfgs]
-        for rank in range(d):
-            p = ctx.Process(
-                target=_worker,
-                args=(rank, d, os.path.join(tmp, "store"), backend, payload, batch_size, protocol.to_dict(),
-                      cores, results, progress, float(timeout_s)),
-                daemon=True,
-            )
-            p.start()
-            procs.append(p)
-        per_rank: dict[int, tuple[list, list]] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(per_rank) < d:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"comm measurement on {d} ranks took longer than {timeout_s:.0f} s")
-            try:
-                kind, rank, body = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    # Give a dying rank's error message a moment to arrive before reporting.
-                    try:
-                        kind, rank, body = results.get(timeout=2.0)
-                    except queue.Empty:
-                        raise RuntimeError(
-                            f"comm worker exited with code {dead[0].exitcode} and no message"
-                        ) from None
-                else:
-                    continue
-            if kind == "error":
-                raise RuntimeError(f"comm worker rank {rank} failed:\n{body}")
-            per_rank[rank] = body
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        results.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    payload = [(c.widths, c.delays_ms) for c in cfgs]
+    per_rank = run_ranks(_worker, d, lambda rank, store, results: (
+        rank, d, store, backend, payload, batch_size, protocol.to_dict(), cores, results, progress, float(timeout_s)),
+        timeout_s, "comm")
 
     out = []
     for k in range(len(cfgs)):

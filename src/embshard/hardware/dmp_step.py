@@ -30,17 +30,15 @@ statistic over repetitions.
 from __future__ import annotations
 
 import os
-import queue
-import shutil
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from embshard.hardware.protocol import MeasurementProtocol, Timing, allowed_cores
+from embshard.hardware.spawn import run_ranks
 from embshard.plan import Plan
 from embshard.task import Task
 
@@ -86,51 +84,10 @@ def measure_dmp_steps(task: Task, plans: Sequence[Plan], protocol: MeasurementPr
     cores = list(cores) if cores is not None else allowed_cores(idlest_first=True)
     if timeout_s is None:
         timeout_s = 300.0 + 60.0 * len(plans) * protocol.visits * max(1.0, d / max(1, len(cores)))
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    tmp = tempfile.mkdtemp(prefix="embshard-dmp-")
-    results: queue.Queue = ctx.Queue()
-    procs = []
-    try:
-        for rank in range(d):
-            p = ctx.Process(target=_worker, args=(rank, d, os.path.join(tmp, "store"), task.to_dict(),
-                                                  [pl.to_dict() for pl in plans], protocol.to_dict(), cores, seed,
-                                                  results, progress, float(timeout_s)), daemon=True)
-            p.start()
-            procs.append(p)
-        per_rank: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(per_rank) < d:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"DMP step measurement on {d} ranks took longer than {timeout_s:.0f} s")
-            try:
-                kind, rank, body = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    try:
-                        kind, rank, body = results.get(timeout=2.0)
-                    except queue.Empty:
-                        raise RuntimeError(f"DMP step worker exited with code {dead[0].exitcode} and no message") from None
-                else:
-                    continue
-            if kind == "error":
-                raise RuntimeError(f"DMP step worker rank {rank} failed:\n{body}")
-            per_rank[rank] = body
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-        results.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    task_dict, plan_dicts = task.to_dict(), [pl.to_dict() for pl in plans]
+    per_rank = run_ranks(_worker, d, lambda rank, store, results: (
+        rank, d, store, task_dict, plan_dicts, protocol.to_dict(), cores, seed, results, progress, float(timeout_s)),
+        timeout_s, "DMP step")
 
     out = []
     for k in range(len(plans)):
