@@ -19,6 +19,13 @@ The aims (issue "Trustworthy learned costs"): compute MAPE <= 5%, τ >= 0.95; pl
 (`scripts/calibrate_cost_models.py`) would have made them: the models are the same, only
 scaled, so every estimate follows exactly from the report's own (compute × s_c; forward comm:
 the time beyond the wait × s_f plus the wait between the scaled computes; backward × s_b).
+
+`--at-measured-speed`: the reports' estimates were rescaled to the session's probe, timed
+before planning; the machine's speed moves within a session (other jobs start and stop). Put
+each plan's compute estimate on the probe tracked inside its own measurement instead (the
+probe's kernels interleaved with the plan's: `measured_probe` in report.json), compute ×
+(tracked / session probe), the same way as above. This separates what the model gets wrong
+from how fast the machine ran at that moment. Comm has no tracked probe and stays as estimated.
 """
 
 from __future__ import annotations
@@ -60,6 +67,18 @@ def calibrated(result: dict, scale: dict[str, float]) -> dict:
                         backward_comm_ms=(np.asarray(e["backward_comm_ms"], np.float64) * scale["backward_comm"]).tolist())
     est = {**e, "compute_ms": costs.compute_ms, "forward_comm_ms": costs.forward_comm_ms, "backward_comm_ms": costs.backward_comm_ms}
     return {**result, "estimated_device_costs": est, "estimated_cost_ms": costs.plan_cost_ms}
+
+
+def at_measured_speed(result: dict, session: dict) -> dict:
+    """`result` with its compute estimates moved from the session's probe to the probe tracked
+    inside its measurement (unchanged where the report has no tracked probe)."""
+    from embshard.hardware.probe import Probe
+
+    tracked = result.get("measured_probe")
+    if not tracked:
+        return result
+    ratio = Probe.from_dict(tracked).speed_vs(Probe.from_dict(session))["compute"]
+    return calibrated(result, {"compute": ratio, "forward_comm": 1.0, "backward_comm": 1.0})
 
 
 def fidelity(results: list[dict]) -> dict:
@@ -104,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("reports", nargs="+", help="shard.py report.json files (evaluate=measured, cost_model=neural)")
     ap.add_argument("--by-algorithm", action="store_true", help="also one row per algorithm (over all reports)")
     ap.add_argument("--calibration", default=None, help="a calibrated cost_models.pt: score its (rescaled) estimates")
+    ap.add_argument("--at-measured-speed", action="store_true",
+                    help="compute estimates on the probe tracked inside each plan's measurement (measured_probe)")
     args = ap.parse_args(argv)
     scale = None
     if args.calibration:
@@ -136,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         res = [{**r, "task": (i, r["task"])} for r in distinct_results(report)]
         if scale is not None:
             res = [calibrated(r, scale) for r in res]
+        if args.at_measured_speed:
+            if not report.get("probe") or not any(r.get("measured_probe") for r in res):
+                print(f"error: {p}: --at-measured-speed needs the session's probe and the tracked probes "
+                      "(measured_probe) of a shard.py run with measure.probe=true", file=sys.stderr)
+                return 2
+            res = [at_measured_speed(r, report["probe"]) for r in res]
         if not res:
             print(f"error: {p}: no plan with both an estimate and a measurement", file=sys.stderr)
             return 2

@@ -282,3 +282,46 @@ def test_dmp_step_refuses_a_plan_torchrec_cannot_train_before_spawning():
     replicated = Plan(task.name, "dp", [Shard.whole(t, 0), Shard(t.name, 1, 0, 8, 0, 100, replica=1)])
     with pytest.raises(PlanError):
         measure_dmp_steps(task, [replicated])
+
+
+# ----------------------------------------------------------------------------- estimates at the speed measured
+@pytest.mark.slow
+def test_each_measured_plan_records_the_probe_tracked_inside_its_measurement():
+    from embshard.compare import Result, evaluate_task
+    from embshard.hardware.evaluator import HardwareEvaluator
+
+    task = _guard_task()
+    plans = [Plan(task.name, "a", [Shard.whole(t, i % 2) for i, t in enumerate(task.tables)]),
+             Plan(task.name, "b", [Shard.whole(t, int(i == 3)) for i, t in enumerate(task.tables)])]
+    results = [Result(task.name, p.algorithm, True, plan=p) for p in plans]
+    ev = HardwareEvaluator(backend=BACKEND, comm_backend=None,
+                           protocol=MeasurementProtocol(visits=2, repetitions=1, warmups=1, probe=True).to_dict())
+    assert ev.last_tracked is None
+    evaluate_task(task, results, "measured", evaluator=ev)
+    got = [r.measured_probe for r in results]
+    # one interleaved measurement of both plans: one tracked probe, its three kernels timed
+    assert got[0] == got[1] == ev.last_tracked.to_dict() and len(ev.tracked) == 1
+    assert set(got[0]["compute_ms"]) == {"probe_cache", "probe_memory", "probe_wide"}
+    assert all(v > 0 for v in got[0]["compute_ms"].values()) and got[0]["protocol"].endswith("tracked")
+    assert results[0].to_dict()["measured_probe"] == got[0]
+
+
+def test_fidelity_at_measured_speed_moves_compute_estimates_to_the_tracked_probe():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_fidelity", "scripts/eval_fidelity.py")
+    fid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fid)
+    session, tracked = _probe({"a": 2.0, "b": 8.0}, 10.0), _probe({"a": 3.0, "b": 18.0}, 10.0)
+    # compute on device 1 is 4 ms longer: device 0's forward comm 6 ms = 4 ms waiting + 2 ms sending
+    est = {"compute_ms": [10.0, 14.0], "forward_comm_ms": [6.0, 2.0], "backward_comm_ms": [3.0, 3.0]}
+    result = {"task": "t", "algorithm": "x", "estimated_device_costs": est, "estimated_cost_ms": 19.0,
+              "measured_probe": tracked.to_dict()}
+    moved = fid.at_measured_speed(result, session.to_dict())
+    s = np.sqrt(1.5 * 2.25)  # geometric mean of the kernels' ratios 3/2 and 18/8
+    e = moved["estimated_device_costs"]
+    assert e["compute_ms"] == pytest.approx([10 * s, 14 * s])
+    # the wait follows the scaled computes (4 s ms), the sending and the backward stay
+    assert e["forward_comm_ms"] == pytest.approx([4 * s + 2.0, 2.0]) and e["backward_comm_ms"] == [3.0, 3.0]
+    assert moved["estimated_cost_ms"] == pytest.approx(max(10 * s + 4 * s + 2 + 3, 14 * s + 2 + 3))
+    assert fid.at_measured_speed({**result, "measured_probe": None}, session.to_dict())["estimated_device_costs"] == est

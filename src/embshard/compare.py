@@ -43,6 +43,9 @@ class Result:
     traffic: Any = None
     #: what the searcher reports about its own search (e.g. the batches it was fitted on)
     search_info: dict[str, Any] | None = None
+    #: evaluate=measured: the speed probe tracked inside the measurement of this plan (its
+    #: kernels interleaved with the plan's), to compare estimates at the speed they ran at
+    measured_probe: dict[str, Any] | None = None
 
     @property
     def estimated_cost_ms(self) -> float | None:
@@ -77,6 +80,7 @@ class Result:
             "modeled_comm_ms": self.modeled_comm_ms,
             "traffic": self.traffic.to_dict() if self.traffic is not None else None,
             "search_info": self.search_info,
+            "measured_probe": self.measured_probe,
         }
 
 
@@ -227,5 +231,7 @@ def evaluate_task(
             first.setdefault(r.plan.signature(), i)
         unique = sorted(set(first.values()))
         costs = dict(zip(unique, evaluator.measure_many(task, [valid[i].plan for i in unique], visits=rounds)))
+        tracked = evaluator.last_tracked
         for r in valid:
             r.measured = costs[first[r.plan.signature()]]
+            r.measured_probe = tracked.to_dict() if tracked is not None else None

@@ -95,6 +95,12 @@ class HardwareEvaluator:
         #: kernels (the machine's speed while they ran), one per `measure_many` call
         self.tracked: list["Probe"] = []
 
+    @property
+    def last_tracked(self) -> "Probe | None":
+        """The probe tracked inside the last `measure_many` call (None: the protocol has no
+        probe, or nothing was measured yet): the machine's speed while those plans ran."""
+        return self.tracked[-1] if self.tracked else None
+
     def session_probe(self, refresh: bool = False) -> "Probe | None":
         """The speed probe of this measuring session: timed on first use (when the protocol
         asks for it), then reused; `refresh` times it again (a new session of a long run)."""
