@@ -23,7 +23,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from embshard.cli import one_line_errors
+from embshard.cli import one_line_errors, refuse_unknown_keys
 from embshard.errors import InputError
 
 log = logging.getLogger("shard")
@@ -77,6 +77,8 @@ def run(cfg: DictConfig) -> float | None:
 
             tasks = build_default_tasks(cfg.default_tasks, staging / "default_tasks", seed=cfg.seed)
         evaluator = instantiate(cfg.hardware) if cfg.evaluate == "measured" else None
+        for task in tasks if evaluator is not None else ():  # what it cannot measure, before the probe
+            evaluator.check_task(task)
         # a measuring session times the machine's speed probe first; learned cost models loaded
         # from here on rescale themselves to it (report.json: probe, rescale)
         probe = evaluator.session_probe() if evaluator is not None else None
@@ -264,4 +266,5 @@ def refuse_additions(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     refuse_additions(sys.argv[1:])
+    refuse_unknown_keys(sys.argv[1:], ROOT / "conf", "shard", "shard.py")
     main()
