@@ -245,8 +245,13 @@ def _publish(staging: Path, out_dir: Path) -> None:
 
 def refuse_additions(argv: list[str]) -> None:
     """Hydra's `+key=value` adds a key: one shard.py never reads (silently ignored), or, for a key
-    it has (`+algorithm=X`), a Hydra error several lines long. Either way: one line, exit 2."""
+    it has (`+algorithm=X`), a Hydra error several lines long. Either way: one line, exit 2.
+    `~key` (Hydra's delete) removes a key shard.py reads: a traceback; one line instead."""
     for arg in argv:
+        if arg.startswith("~"):
+            print(f"error: {arg}: shard.py's keys cannot be removed; give {arg[1:].partition('=')[0]} a value instead; "
+                  "python shard.py --help lists them", file=sys.stderr)
+            sys.exit(2)
         if not arg.startswith("+"):
             continue
         key, _, value = arg.lstrip("+").partition("=")

@@ -69,6 +69,16 @@ def test_known_keys_and_options_pass(capsys, config, argv):
     assert capsys.readouterr().err == ""
 
 
+def test_removing_a_shard_key_is_one_line_not_a_traceback(capsys):
+    import shard
+
+    with pytest.raises(SystemExit) as e:
+        shard.refuse_additions(["task_file=t.json", "~evaluate"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("error: ~evaluate: shard.py's keys cannot be removed; give evaluate a value "
+                                       "instead; python shard.py --help lists them\n")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script, args, message", [
     ("shard.py", ["evalute=none"], "error: evalute=none: 'evalute' is not a shard.py key (did you mean 'evaluate'?)"),
