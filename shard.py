@@ -23,7 +23,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from embshard.cli import one_line_errors
+from embshard.cli import one_line_errors, refuse_unknown_keys
 from embshard.errors import InputError
 
 log = logging.getLogger("shard")
@@ -77,6 +77,8 @@ def run(cfg: DictConfig) -> float | None:
 
             tasks = build_default_tasks(cfg.default_tasks, staging / "default_tasks", seed=cfg.seed)
         evaluator = instantiate(cfg.hardware) if cfg.evaluate == "measured" else None
+        for task in tasks if evaluator is not None else ():  # what it cannot measure, before the probe
+            evaluator.check_task(task)
         # a measuring session times the machine's speed probe first; learned cost models loaded
         # from here on rescale themselves to it (report.json: probe, rescale)
         probe = evaluator.session_probe() if evaluator is not None else None
@@ -243,8 +245,13 @@ def _publish(staging: Path, out_dir: Path) -> None:
 
 def refuse_additions(argv: list[str]) -> None:
     """Hydra's `+key=value` adds a key: one shard.py never reads (silently ignored), or, for a key
-    it has (`+algorithm=X`), a Hydra error several lines long. Either way: one line, exit 2."""
+    it has (`+algorithm=X`), a Hydra error several lines long. Either way: one line, exit 2.
+    `~key` (Hydra's delete) removes a key shard.py reads: a traceback; one line instead."""
     for arg in argv:
+        if arg.startswith("~"):
+            print(f"error: {arg}: shard.py's keys cannot be removed; give {arg[1:].partition('=')[0]} a value instead; "
+                  "python shard.py --help lists them", file=sys.stderr)
+            sys.exit(2)
         if not arg.startswith("+"):
             continue
         key, _, value = arg.lstrip("+").partition("=")
@@ -264,4 +271,5 @@ def refuse_additions(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     refuse_additions(sys.argv[1:])
+    refuse_unknown_keys(sys.argv[1:], ROOT / "conf", "shard", "shard.py")
     main()

@@ -28,7 +28,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from embshard.cli import one_line_errors
+from embshard.cli import one_line_errors, refuse_unknown_keys
 from embshard.errors import InputError
 
 log = logging.getLogger("train")
@@ -228,4 +228,7 @@ def make_tasks(cfg: DictConfig, dataset: Path, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    refuse_unknown_keys(sys.argv[1:], ROOT / "conf", "train", "train.py")
     main()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import sys
-from typing import Any, Callable, TypeVar
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Sequence, TypeVar
 
+from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
 from embshard.errors import EmbshardError
@@ -22,3 +25,66 @@ def one_line_errors(run: Callable[[Any], T], cfg: Any) -> T:
         sys.stderr.write(f"error: {str(e).splitlines()[0]}\n")
         sys.stderr.flush()
         sys.exit(2)
+
+
+def refuse_unknown_keys(argv: Sequence[str], config_dir: Path, config_name: str, entry: str) -> None:
+    """Hydra answers `key=value` for a key the config lacks (`evalute=none`,
+    `searchers.neuroshard.checkpont=...`) or an option a group lacks (`hardware=cuda`) with
+    several lines, exit status 1 (which here means "no valid plan") and, for a key, the advice
+    to add it with '+' (a key nothing reads). Instead: one `error:` line with the nearest key
+    or the group's options, exit 2. Called before Hydra parses `argv`; anything it cannot
+    judge (sweeps, '+', '~', hydra's own keys) is left to Hydra."""
+    plain = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not eq or arg.startswith(("-", "+", "~")) or key.startswith("hydra") or "@" in key:
+            continue
+        plain.append((arg, key, value))
+    if not plain:
+        return
+    from hydra import compose, initialize_config_dir
+
+    def composed(overrides: list[str]) -> DictConfig | None:
+        try:
+            with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+                return compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+        except Exception:  # noqa: BLE001 - whatever composition says, Hydra says again, in full
+            return None
+
+    cfg = composed([])
+    if cfg is None:
+        return
+    # a config group of the defaults list (hardware=torch_cpu): its options are the group's files
+    groups = [(arg, key, value) for arg, key, value in plain if key in cfg.hydra.runtime.choices]
+    for arg, key, value in groups:
+        options = sorted(p.stem for p in (config_dir / key).glob("*.yaml"))
+        if value not in options and value != "null" and not any(c in value for c in "[],${}"):
+            near = difflib.get_close_matches(value, options, n=1)
+            hint = f" (did you mean {key}={near[0]}?)" if near else ""
+            _exit_2(f"{arg}: {key} has no option {value!r}{hint}; options: {', '.join(options)}")
+    if groups:
+        cfg = composed([arg for arg, _, _ in groups])
+        if cfg is None:
+            return
+    for arg, key, _ in plain:
+        if key in cfg.hydra.runtime.choices:
+            continue  # a group, judged above
+        node, path = cfg, []
+        for part in key.split("."):
+            if not isinstance(node, DictConfig):
+                break  # a list index or a scalar's attribute: Hydra judges it
+            if part not in node:
+                where = ".".join(path)
+                known = [str(k) for k in node.keys()]
+                near = difflib.get_close_matches(part, known, n=1)
+                hint = f" (did you mean {'.'.join(path + near)!r}?)" if near else ""
+                scope = f"{where!r} has no key {part!r}" if where else f"{part!r} is not a {entry} key"
+                _exit_2(f"{arg}: {scope}{hint}; python {entry} --help lists the keys")
+            node = node._get_node(part)
+            path.append(part)
+
+
+def _exit_2(message: str) -> NoReturn:
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(2)

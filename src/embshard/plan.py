@@ -163,7 +163,12 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
-        return cls.from_dict(read_json(path), source=str(path), base_dir=Path(path).parent)
+        d = read_json(path)
+        try:
+            return cls.from_dict(d, source=str(path), base_dir=Path(path).parent)
+        except InputError as e:  # a shard's own check: say which file it is in
+            msg = str(e)
+            raise InputError(msg if msg.startswith(f"{path}: ") else f"{path}: {msg}") from None
 
 
 def _safe_file_name(table: str) -> str:

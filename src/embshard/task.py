@@ -201,7 +201,12 @@ class Task:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Task":
-        return cls.from_dict(read_json(path), source=str(path))
+        d = read_json(path)
+        try:
+            return cls.from_dict(d, source=str(path))
+        except InputError as e:  # a table's or the task's own check: say which file it is in
+            msg = str(e)
+            raise InputError(msg if msg.startswith(f"{path}: ") else f"{path}: {msg}") from None
 
 
 def read_json(path: str | os.PathLike) -> Any:

@@ -20,7 +20,6 @@ sees only its share of the lookups, as under row-wise sharding).
 
 from __future__ import annotations
 
-import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
@@ -230,13 +229,9 @@ class TorchKernel(DeviceKernel):
         optimizer: str = "sgd",
     ):
         super().__init__(shards, batch_size, device)
-        # Only SGD here: the torch backend is the portable fallback, not an optimizer zoo.
-        if optimizer != "sgd":
-            warnings.warn(
-                f"torch backend times an SGD update; the task's {optimizer!r} update is not modelled "
-                "(use backend='fbgemm' for fused optimizers)",
-                stacklevel=2,
-            )
+        # Only SGD here: the torch backend is the portable fallback, not an optimizer zoo; timing
+        # SGD for another optimizer's task would label the wrong update with that task's cost.
+        check_torch_optimizer(optimizer)
         self.optimizer = optimizer
         fp16 = self.device.type == "cuda" and all(s.table.bytes_per_element == 2 for s in self.shards)
         dtype = torch.float16 if fp16 else torch.float32
@@ -271,6 +266,14 @@ class TorchKernel(DeviceKernel):
             with torch.no_grad():
                 w.add_(w.grad, alpha=-LEARNING_RATE)
             w.grad = None
+
+
+def check_torch_optimizer(optimizer: str, task: str | None = None) -> None:
+    """The torch backend times an SGD update only: any other optimizer is an InputError."""
+    if optimizer != "sgd":
+        whose = f"task {task!r} uses" if task is not None else "the task uses"
+        raise InputError(f"the torch backend times an SGD update only and {whose} optimizer {optimizer!r}: "
+                         "measure it with backend fbgemm (hardware=fbgemm_cpu or fbgemm_cuda)")
 
 
 def make_kernel(

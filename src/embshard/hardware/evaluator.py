@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from embshard.costs.base import DeviceCosts
 from embshard.errors import InputError
-from embshard.hardware.backends import BACKENDS, ShardInput
+from embshard.hardware.backends import BACKENDS, ShardInput, check_torch_optimizer
 from embshard.hardware.comm import CommConfig, CommResult, measure_comm
 from embshard.hardware.compute import measure_compute
 from embshard.hardware.protocol import MeasurementProtocol, Timing
@@ -110,6 +110,11 @@ class HardwareEvaluator:
             self.probe = run_probe(self.protocol, backend=self.backend, device=self.device,
                                    comm_backend=self.comm_backend)
         return self.probe
+
+    def check_task(self, task: Task) -> None:
+        """Raise InputError for a task this hardware cannot measure as it is (before planning)."""
+        if self.backend == "torch" and self.step == "kernels":
+            check_torch_optimizer(task.optimizer, task.name)
 
     # ------------------------------------------------------------------ CostModel
     def device_costs(self, task: Task, plan: Plan) -> DeviceCosts:

@@ -139,6 +139,14 @@ def _check_config(c: dict[str, Any]) -> None:
     _pos_int("seed", c["seed"], zero=True)
     if c["backend"] not in ("fbgemm", "torch"):
         raise InputError(f"collect.backend must be fbgemm or torch, got {c['backend']!r}")
+    from embshard.task import OPTIMIZER_STATE_BYTES_PER_ROW
+
+    if c["optimizer"] not in OPTIMIZER_STATE_BYTES_PER_ROW:
+        raise InputError(f"collect.optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES_PER_ROW)}, got {c['optimizer']!r}")
+    if c["backend"] == "torch":  # it would time SGD and label the samples with the other optimizer
+        from embshard.hardware.backends import check_torch_optimizer
+
+        check_torch_optimizer(c["optimizer"])
     from embshard.hardware.protocol import MeasurementProtocol
 
     c["measure"] = MeasurementProtocol.from_config(c["measure"]).to_dict()

@@ -1,0 +1,191 @@
+"""Issue 17, verification: what the re-try and the audit still found (tests/test_honest_runs.py
+holds one test per item of the issue). A misspelt command-line key or group option is one
+line and exit 2, not Hydra's exit 1 with the advice to add the key with '+'; the torch backend
+refuses a task it would time with the wrong optimizer update instead of warning and measuring
+SGD; --help names every option of its groups; a task or plan file's error names the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from embshard import InputError, Plan, Table, Task
+from embshard.cli import refuse_unknown_keys
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+ENV = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
+
+
+def refused(capsys, argv: list[str], config: str = "shard") -> str:
+    """The one stderr line `refuse_unknown_keys` exits 2 with."""
+    with pytest.raises(SystemExit) as e:
+        refuse_unknown_keys(argv, CONF, config, f"{config}.py")
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "+" not in line  # never Hydra's advice to add the key with '+'
+    return line
+
+
+# ----------------------------------------------------------------------------- command-line keys
+@pytest.mark.parametrize("arg, message", [
+    ("evalute=none", "error: evalute=none: 'evalute' is not a shard.py key (did you mean 'evaluate'?)"),
+    ("searchers.neuroshard.checkpont=x.pt",
+     "'searchers.neuroshard' has no key 'checkpont' (did you mean 'searchers.neuroshard.checkpoint'?)"),
+    ("searchers.neuroshrd.checkpoint=x.pt", "'searchers' has no key 'neuroshrd' (did you mean 'searchers.neuroshard'?)"),
+    ("measure.visitz=3", "'measure' has no key 'visitz' (did you mean 'measure.visits'?)"),
+    ("hardware=torch_cpux", "hardware has no option 'torch_cpux' (did you mean hardware=torch_cpu?); options: dmp_cpu, "
+                            "fbgemm_cpu, fbgemm_cuda, torch_cpu, torch_cuda"),
+    ("measure=quik", "measure has no option 'quik' (did you mean measure=quick?)"),
+    ("dataset=synthetic", "'dataset' is not a shard.py key"),  # train.py's group, not shard.py's
+])
+def test_unknown_shard_keys_and_group_options_are_one_line_errors(capsys, arg, message):
+    line = refused(capsys, ["evaluate=none", arg] if arg != "evalute=none" else [arg])
+    assert line.startswith(f"error: {arg}: ") and message in line
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("data_dri=/tmp/x", "'data_dri' is not a train.py key (did you mean 'data_dir'?)"),
+    ("rl=dreamshrd", "rl has no option 'dreamshrd' (did you mean rl=dreamshard?)"),
+])
+def test_unknown_train_keys_are_one_line_errors(capsys, arg, message):
+    line = refused(capsys, ["stage=pretrain", arg], config="train")
+    assert line.startswith(f"error: {arg}: ") and message in line
+
+
+@pytest.mark.parametrize("config, argv", [
+    ("shard", ["evaluate=none", "algorithm=torchrec", "hardware=torch_cpu", "measure=quick", "measure.visits=2",
+               "searchers.neuroshard.checkpoint=null", "cost_model=analytic", "hydra.run.dir=.", "--help"]),
+    # a group whose options set keys elsewhere (experiment: package _global_), then one of those keys
+    ("train", ["stage=tasks", "experiment=e2e_tiny", "dlrm.steps=3", "+anything=1", "hardware=null"]),
+])
+def test_known_keys_and_options_pass(capsys, config, argv):
+    refuse_unknown_keys(argv, CONF, config, f"{config}.py")
+    assert capsys.readouterr().err == ""
+
+
+def test_removing_a_shard_key_is_one_line_not_a_traceback(capsys):
+    import shard
+
+    with pytest.raises(SystemExit) as e:
+        shard.refuse_additions(["task_file=t.json", "~evaluate"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("error: ~evaluate: shard.py's keys cannot be removed; give evaluate a value "
+                                       "instead; python shard.py --help lists them\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, args, message", [
+    ("shard.py", ["evalute=none"], "error: evalute=none: 'evalute' is not a shard.py key (did you mean 'evaluate'?)"),
+    ("train.py", ["stage=pretrain", "data_dri=/tmp/x"], "error: data_dri=/tmp/x: 'data_dri' is not a train.py key"),
+])
+def test_entry_points_exit_2_on_a_misspelt_key_and_write_nothing(tmp_path, script, args, message):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / script), *args, f"out_dir={out}"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""  # Hydra's own answer: exit 1, "use +evalute=none"
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(message)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- torch backend, other optimizers
+def adam_task(optimizer: str = "adam") -> Task:
+    return Task("small_adam", 2, 1 << 30, 64, (Table("a", 100, 8, 1.0), Table("b", 200, 4, 2.0)), optimizer=optimizer)
+
+
+def test_shard_py_refuses_to_measure_an_adam_task_on_the_torch_backend(capsys, tmp_path):
+    """Before: a UserWarning among the progress bars, SGD timed, the cost reported as the task's, exit 0."""
+    import shard
+    from hydra import compose, initialize_config_dir
+
+    from embshard.cli import one_line_errors
+
+    adam_task().save(tmp_path / "task.json")
+    out = tmp_path / "out"
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="shard", overrides=[f"task_file={tmp_path / 'task.json'}", f"out_dir={out}",
+                                                      "algorithm=size_greedy", "evaluate=measured", "hardware=torch_cpu",
+                                                      "measure=quick", "progress=false"])
+    with pytest.raises(SystemExit) as e:
+        one_line_errors(shard.run, cfg)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == ("error: the torch backend times an SGD update only and task 'small_adam' uses optimizer 'adam': "
+                   "measure it with backend fbgemm (hardware=fbgemm_cpu or fbgemm_cuda)\n")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["task.json"]
+
+
+def test_torch_kernels_time_sgd_tasks_and_refuse_others():
+    from embshard.hardware.backends import ShardInput, make_kernel
+    from embshard.hardware.evaluator import HardwareEvaluator
+    from embshard.plan import Shard
+
+    task = adam_task("rowwise_adagrad")
+    shards = [ShardInput(task.tables[0], Shard("a", 0, 0, 8, 0, 100))]
+    with pytest.raises(InputError, match="times an SGD update only .* optimizer 'rowwise_adagrad'"):
+        make_kernel("torch", shards, 64, optimizer="rowwise_adagrad")
+    with pytest.raises(InputError, match="task 'small_adam' uses optimizer 'rowwise_adagrad'"):
+        HardwareEvaluator(backend="torch", comm_backend=None).check_task(task)
+    make_kernel("torch", shards, 64, optimizer="sgd")
+    HardwareEvaluator(backend="torch", comm_backend=None).check_task(adam_task("sgd"))
+    HardwareEvaluator(backend="fbgemm", comm_backend=None).check_task(task)
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"backend": "torch", "optimizer": "adam"}, "torch backend times an SGD update only"),
+    ({"optimizer": "adamw"}, "collect.optimizer must be one of"),  # was a KeyError at the first kernel
+])
+def test_collect_refuses_an_optimizer_it_cannot_time_before_measuring(over, message):
+    from embshard.costs.collect.config import resolve_config
+
+    with pytest.raises(InputError, match=message):
+        resolve_config(over)
+    resolve_config({"backend": "torch", "optimizer": "sgd"})
+
+
+# ----------------------------------------------------------------------------- --help
+@pytest.mark.slow
+def test_shard_help_names_every_option_of_its_groups():
+    text = subprocess.run([sys.executable, str(ROOT / "shard.py"), "--help"], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=120, check=True).stdout
+    for group in ("cost_model", "hardware", "measure"):
+        (line,) = [l for l in text.splitlines() if l.strip().startswith(f"{group}=")]
+        listed = set(line.split()[0].split("=", 1)[1].split("|"))
+        assert listed == {p.stem for p in (CONF / group).glob("*.yaml")}, group
+
+
+# ----------------------------------------------------------------------------- which file
+TASK = {"name": "x", "num_devices": 2, "device_memory_bytes": 1 << 30, "batch_size": 64,
+        "tables": [{"name": "a", "rows": 100, "dim": 4, "pooling_factor": 1.0}]}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["tables"][0].update(pooling=2.0), "table 'a': unknown field 'pooling' (did you mean 'pooling_factor'?)"),
+    (lambda d: d["tables"][0].update(rows=-3), "table 'a': rows"),
+    (lambda d: d.update(num_devices=0), "task 'x': num_devices must be a positive integer"),
+    (lambda d: d.update(optimiser="adam"), "task 'x': unknown field 'optimiser' (did you mean 'optimizer'?)"),
+])
+def test_task_file_errors_name_the_file_once(tmp_path, change, message):
+    d = json.loads(json.dumps(TASK))
+    change(d)
+    path = tmp_path / "task.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(InputError) as e:
+        Task.load(path)
+    assert str(e.value).startswith(f"{path}: ") and str(e.value).count(str(path)) == 1
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_plan_file_shard_errors_name_the_file(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"task": "x", "algorithm": "mine", "shards": [
+        {"table": "a", "device": 0, "col_offset": 0, "dim": 4, "row_offset": 0, "rows": 100, "replika": 1}]}))
+    with pytest.raises(InputError) as e:
+        Plan.load(path)
+    assert str(e.value).startswith(f"{path}: shard of table 'a': unknown field 'replika' (did you mean 'replica'?)")
