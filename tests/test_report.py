@@ -297,6 +297,12 @@ def test_plot_costs_bars_are_the_summary(tmp_path, monkeypatch):
     assert heights == pytest.approx([2.5, 5.0, 5.0])  # mean cost per algorithm (summarize)
     assert [p.get_height() for p in ax_ratio.patches] == pytest.approx([1.0, 2.0, 2.5])
     assert [t.get_text() for t in ax_cost.get_xticklabels()] == ["neuroshard", "size_greedy", "random"]
+    # error bars: the mean spread (neuroshard 0.3, size_greedy 0.4, random 0.1) either side of the mean
+    from matplotlib.collections import LineCollection
+
+    [bars] = [c for c in ax_cost.collections if isinstance(c, LineCollection)]
+    assert [tuple(seg[:, 1]) for seg in bars.get_segments()] == [pytest.approx((2.2, 2.8)), pytest.approx((4.6, 5.4)),
+                                                                  pytest.approx((4.9, 5.1))]
     # one dot per task an algorithm solved, at its cost and at its ratio to the task's best
     from matplotlib.collections import PathCollection
 
