@@ -317,6 +317,7 @@ def test_plan_json_and_row_maps_round_trip(tmp_path):
     assert d["dedup_ids"] is True and entry["rows"] == 3 and entry["file"] == f"p.rowmaps/{_safe_file_name('a/b c')}.npy"
     data = (tmp_path / entry["file"]).read_bytes()
     assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert np.load(tmp_path / entry["file"]).dtype == np.int64  # the sidecar holds int64 ids, whatever came in
     back = Plan.load(tmp_path / "p.json")
     assert back.row_maps["a/b c"].tolist() == [5, 1, 0] and back.row_maps["a/b c"].dtype == np.int64
     assert back.dedup_ids and back.shards == plan.shards and (back.task, back.algorithm) == ("t", "x")
@@ -324,7 +325,15 @@ def test_plan_json_and_row_maps_round_trip(tmp_path):
     assert Plan.from_dict({"task": "t", "algorithm": "x", "shards": []}).row_maps == {}
 
 
+def test_plan_load_names_the_file_in_its_errors(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text('{"task": "t", "algorithm": "x"}')
+    with raises(InputError, f"{path}: missing field(s) ['shards']"):
+        Plan.load(path)
+
+
 def test_safe_file_names():
+    assert _safe_file_name("Big_Table.V2").startswith("Big_Table.V2-")  # letters of either case kept
     assert _safe_file_name("plain_name.1-x") == "plain_name.1-x-" + f"{__import__('zlib').crc32(b'plain_name.1-x'):08x}"
     a, b = _safe_file_name("a/b"), _safe_file_name("a_b")
     assert a.startswith("a_b-") and b.startswith("a_b-") and a != b  # same text, different checksums
@@ -701,6 +710,55 @@ def test_greedy_by_hand():
     same = [Table(f"s{i}", 100, 4, 1.0) for i in range(3)]
     plan = GreedySharder("dim").shard(task_of(same, devices=3))
     assert [(s.table, s.device) for s in plan.shards] == [("s0", 0), ("s1", 1), ("s2", 2)]
+
+
+def test_greedy_accumulates_cost_and_breaks_ties_by_free_memory():
+    # lookup costs 10, 6, 6, 6 on 2 devices: 10 -> 0; 6 -> 1; 6 -> 1 (6 < 10, now 12); 6 -> 0 (10 < 12)
+    tables = [Table("a", 100, 4, 2.5), Table("b", 100, 4, 1.5), Table("c", 100, 4, 1.5), Table("d", 100, 4, 1.5)]
+    plan = GreedySharder("lookup").shard(task_of(tables, devices=2))
+    assert [(s.table, s.device) for s in plan.shards] == [("a", 0), ("b", 1), ("c", 1), ("d", 0)]
+    # two tables that cost nothing: the first goes to device 0, the second to the device with
+    # more free memory (device 1), although both devices' running costs are equal (0)
+    free = [Table("m", 5000, 4, 0.0), Table("n", 100, 4, 0.0)]
+    plan = GreedySharder("lookup").shard(task_of(free, devices=2))
+    assert [(s.table, s.device) for s in plan.shards] == [("m", 0), ("n", 1)]
+
+
+def test_every_baseline_looks_ahead_instead_of_stranding_a_big_table():
+    # 2 devices, each with room for the big table plus two small ones; the 8 small ones are
+    # hotter (placed first by the greedy keys) and come first in task order. Spread evenly,
+    # 4 + 4, they leave no device room for the big one: the look-ahead keeps one device free.
+    small = [Table(f"s{i}", 1000, 4 * 32, 50.0) for i in range(8)]
+    big = Table("z_big", 9000, 100 * 4, 0.1)
+    probe = task_of([*small, big], batch=1)
+    memory = probe.table_memory_bytes(big) + 2 * probe.table_memory_bytes(small[0])
+    task = task_of([*small, big], devices=2, memory=memory, batch=1)
+    for sharder in (GreedySharder("lookup"), GreedySharder("dim"), RoundRobinSharder(), RandomSharder(seed=0)):
+        plan = sharder.shard(task)
+        validate(task, plan)
+        big_device = next(s.device for s in plan.shards if s.table == "z_big")
+        assert sum(s.device == big_device for s in plan.shards) == 3, sharder.name  # big + 2 small
+        assert plan.task == "t" and plan.algorithm == sharder.name
+
+
+def test_every_baseline_names_the_table_that_fits_nowhere():
+    tables = [Table("small", 10, 4, 1.0), Table("huge", 10_000, 64, 1.0)]
+    need = task_of(tables, batch=1).table_memory_bytes(tables[1])
+    task = task_of(tables, devices=2, memory=need - 7, batch=1)
+    for sharder in (GreedySharder("size"), GreedySharder("lookup"), RoundRobinSharder(), RandomSharder(), PileUpSharder()):
+        with pytest.raises(InfeasibleError) as e:
+            sharder.shard(task)
+        assert e.value.table == "huge" and e.value.shortfall_bytes in (7, 7 + task.table_memory_bytes(tables[0]))
+        assert str(e.value).startswith(f"table 'huge' needs {need} bytes")
+
+
+def test_round_robin_skips_a_full_device_forwards():
+    # t0 fills device 0; t3's turn is device 0 again, which has no room: the next device (1)
+    t0 = Table("t0", 1000, 16, 1.0)
+    rest = [Table(f"t{i}", 10, 4, 1.0) for i in range(1, 6)]
+    memory = task_of([t0], batch=1).table_memory_bytes(t0)
+    plan = RoundRobinSharder().shard(task_of([t0, *rest], devices=3, memory=memory, batch=1))
+    assert [s.device for s in plan.shards] == [0, 1, 2, 1, 2, 1]
 
 
 def test_round_robin_and_pile_up_by_hand():
