@@ -174,8 +174,9 @@ def test_task_topology_and_lookups():
     single = Task("t", 3, 100, 8, (A,))
     assert single.devices_per_host == 3 and single.hosts == 1 and single.host_of(2) == 0
     assert single.table("a") is A and single.table_by_name == {"a": A}
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError) as e:
         single.table("b")
+    assert e.value.args == ("b",)
 
 
 def test_memory_per_optimizer_by_hand():
@@ -256,6 +257,8 @@ def test_read_json_and_load_tasks(tmp_path):
     assert [t.name for t in load_tasks(f"{folder}/[12].json")] == ["a", "b"]
     assert [t.name for t in load_tasks(f"{folder}/?.json")] == ["a", "b"]
     assert [t.name for t in load_tasks(f"{folder}/*.json")] == ["a", "b"]
+    with raises(InputError, f"{tmp_path / 'Missing_X.json'}: no such file"):  # a plain path, not a pattern
+        load_tasks(tmp_path / "Missing_X.json")
     with raises(InputError, f"{tmp_path}/*.nothing: no task JSON files found"):
         load_tasks(f"{tmp_path}/*.nothing")
     with raises(InputError, f"{tmp_path / 'empty'}: no task JSON files found"):
@@ -321,8 +324,18 @@ def test_plan_json_and_row_maps_round_trip(tmp_path):
     back = Plan.load(tmp_path / "p.json")
     assert back.row_maps["a/b c"].tolist() == [5, 1, 0] and back.row_maps["a/b c"].dtype == np.int64
     assert back.dedup_ids and back.shards == plan.shards and (back.task, back.algorithm) == ("t", "x")
-    # a plan without row maps resolves nothing, wherever it is read from
-    assert Plan.from_dict({"task": "t", "algorithm": "x", "shards": []}).row_maps == {}
+    # a plan without row maps resolves nothing, wherever it is read from; dedup_ids defaults to off
+    bare = Plan.from_dict({"task": "t", "algorithm": "x", "shards": []})
+    assert bare.row_maps == {} and bare.dedup_ids is False
+    with raises(InputError, "plan: a plan must be a JSON object, got list"):  # the default source
+        Plan.from_dict([])
+
+
+def test_row_maps_resolve_against_the_working_directory_without_a_base(tmp_path, monkeypatch):
+    entry = _write_row_map(tmp_path, np.array([3, 1]))
+    monkeypatch.chdir(tmp_path)
+    plan = Plan.from_dict({"task": "t", "algorithm": "x", "shards": [], "row_maps": {"a": entry}})
+    assert plan.row_maps["a"].tolist() == [3, 1]
 
 
 def test_plan_load_names_the_file_in_its_errors(tmp_path):
