@@ -221,6 +221,16 @@ def test_task_json_writes_topology_only_where_it_differs(tmp_path):
     assert "intra_host_gbps" not in only_inter and only_inter["inter_host_gbps"] == 25.0
     explicit = Task.from_dict({**plain.to_dict(), "hosts": 2, "devices_per_host": 1})
     assert explicit.hosts == 2 and explicit.devices_per_host == 1
+    with raises(InputError, "task 't': hosts (3) x devices_per_host (1) must equal num_devices (2)"):
+        Task.from_dict({**plain.to_dict(), "hosts": 3, "devices_per_host": 1})
+    no_optimizer = {k: v for k, v in plain.to_dict().items() if k != "optimizer"}
+    assert Task.from_dict(no_optimizer).optimizer == "sgd"
+    with raises(InputError, "task: a task must be a JSON object, got str"):  # the default source
+        Task.from_dict("t")
+    bad = tmp_path / "bad_task.json"
+    bad.write_text(json.dumps({"name": "t"}))
+    with raises(InputError, f"{bad}: missing field(s) ['batch_size', 'device_memory_bytes', 'num_devices', 'tables']"):
+        Task.load(bad)
 
 
 @pytest.mark.parametrize("d, message", [
