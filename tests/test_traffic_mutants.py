@@ -125,6 +125,34 @@ def test_replicated_rows_are_synchronised_and_looked_up_locally():
     assert report.modeled_comm_ms == pytest.approx(8.0 + 0 + 0 + 64.0)
 
 
+def test_two_replicated_tables_add_their_synchronisation():
+    # two tables, each held whole on both devices: each all-reduces its own gradient, and the
+    # bytes of both go over the same pair of devices in the same phases
+    t, u = Table("r", 4, 4, 2.0), Table("q", 2, 8, 1.0)
+    task = Task("rep", 2, 1 << 30, 4, (t, u), intra_host_gbps=ONE_BYTE_PER_MS)
+    plan = Plan("rep", "x", [Shard("r", 0, 0, 4, 0, 4), Shard("r", 1, 0, 4, 0, 4, replica=1),
+                             Shard("q", 1, 0, 8, 0, 2), Shard("q", 0, 0, 8, 0, 2, replica=1)])
+    step = TrafficModel(task, plan).step(batch(r=[[0], [], [], []], q=[[], [1], [], []]))
+    # r: 16 floats, halves of 8 (32 bytes) each way; q: 16 floats likewise: 64 bytes each way per phase
+    assert step.phases["intra_reduce_scatter"].tolist() == [[0, 64], [64, 0]]
+    assert step.phases["intra_all_gather"].tolist() == [[0, 64], [64, 0]]
+
+
+def test_tables_beyond_the_lookup_table_limit_route_by_search():
+    from embshard.flexshard.traffic import LUT_MAX_ROWS
+
+    rows = LUT_MAX_ROWS + 8  # no per-row segment table for this one: ids are routed by binary search
+    half = rows // 2
+    big = Table("big", rows, 4, 1.0)
+    task = Task("big", 2, 1 << 40, 4, (big,), intra_host_gbps=ONE_BYTE_PER_MS)
+    plan = Plan("big", "x", [Shard("big", 0, 0, 4, 0, half), Shard("big", 1, 0, 4, half, rows - half)])
+    ids = [[0], [half], [half - 1, rows - 1], [5]]  # device 0 asks device 1 for one id; device 1 asks 0 for two
+    step = TrafficModel(task, plan).step(batch(big=ids))
+    assert step.phases["ids"].tolist() == [[0, ID + 1 * ID], [ID + 2 * ID, 0]]
+    # pooled row-wise: each row block sends every requester's samples their partial sums
+    assert step.phases["embeddings_fw"].tolist() == [[0, 2 * 4 * FLOAT], [2 * 4 * FLOAT, 0]]
+
+
 def test_summary_over_steps_by_hand():
     model = TrafficModel(two_device_task(), PLAN)
     first = model.step(BATCH)
@@ -248,4 +276,12 @@ def test_evaluator_refuses_plans_fitted_on_evaluation_steps_and_short_traces(tmp
     with pytest.raises(InputError, match="^" + re.escape(msg) + "$"):
         ev.check_task(traced)
     TrafficEvaluator(fit_batches=1, eval_batches=1).check_task(traced)  # 8 samples needed: fine
+    exact = tmp_path / "exact.pt"  # 20 samples: exactly what 2 fit + 3 held-out steps of 4 need
+    torch.save((torch.zeros(20, dtype=torch.int64), torch.arange(21, dtype=torch.int64),
+                torch.ones(1, 20, dtype=torch.int64)), exact)
+    ev.check_task(Task("tr", 2, 1 << 30, 4, (Table("p", 10, 8, 1.0, trace=TraceRef(str(exact), 0)),)))
+    default = TrafficEvaluator()
+    assert (default.split.fit_batches, default.split.eval_batches, default.split.seed) == (4, 4, 0)
+    t = task.tables[0]
+    assert global_batches(task, [1])[0]["p"][0].tolist() == step_batch(t, 4, 1, 0)[0].tolist()  # seed 0 by default
     ev.check_task(task)  # untraced tables are drawn: nothing to check
