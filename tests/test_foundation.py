@@ -447,7 +447,8 @@ def test_plan_accessors():
 def test_memory_bytes_counts_each_replica_on_its_device():
     task = task_of([A, B], devices=3, batch=10)
     plan = Plan("t", "x", [Shard.whole(A, 0), Shard("a", 2, 0, 16, 0, 1000, replica=1), Shard.whole(B, 0),
-                           Shard("zz", 1, 0, 4, 0, 1), Shard("a", 7, 0, 16, 0, 500)])  # unknown table, bad device: skipped
+                           Shard("zz", 1, 0, 4, 0, 1), Shard("a", 7, 0, 16, 0, 500),  # unknown table, bad device: skipped
+                           Shard("b", 3, 0, 8, 0, 250)])  # device 3 of 0..2: skipped too
     a_copy = 1000 * 16 * 4 + 2 * 5 * 16 * 4  # two copies of a: each serves 5 of the 10 samples
     b_whole = 500 * 8 * 4 + 2 * 10 * 8 * 4
     assert plan.memory_bytes(task) == [a_copy + b_whole, 0, a_copy]
@@ -585,10 +586,25 @@ def test_two_pieces_on_a_device_warn_and_normalize_merges_columns():
     assert normalize(make((A, B)), untouched) is untouched
 
 
+def test_normalize_lays_out_three_devices_columns_contiguously():
+    plan = Plan("t", "x", [Shard("a", 2, 0, 4, 0, 1000), Shard("a", 0, 4, 4, 0, 1000), Shard("a", 1, 8, 4, 0, 1000),
+                           Shard("a", 2, 12, 4, 0, 1000)])
+    # device 2 holds columns 0-4 and 12-16: 8 wide, laid out first; then device 0's 4, device 1's 4
+    assert normalize(make(devices=3), plan).shards == [Shard("a", 2, 0, 8, 0, 1000), Shard("a", 0, 8, 4, 0, 1000),
+                                                       Shard("a", 1, 12, 4, 0, 1000)]
+
+
 def test_normalize_merges_adjacent_row_and_grid_pieces():
-    # rows 0-300 and 300-600 on device 0 merge; rows 600-1000 on device 1 stay
-    rows = Plan("t", "x", [Shard("a", 0, 0, 16, 300, 300), Shard("a", 1, 0, 16, 600, 400), Shard("a", 0, 0, 16, 0, 300)])
-    assert normalize(make(), rows).shards == [Shard("a", 0, 0, 16, 0, 600), Shard("a", 1, 0, 16, 600, 400)]
+    # rows 0-300 and 300-600 on device 0 merge; rows 600-1000 on device 1 stay; table b before it stays
+    rows = Plan("t", "x", [Shard.whole(B, 1), Shard("a", 0, 0, 16, 300, 300), Shard("a", 1, 0, 16, 600, 400),
+                           Shard("a", 0, 0, 16, 0, 300)])
+    assert normalize(make((A, B)), rows).shards == [Shard.whole(B, 1), Shard("a", 0, 0, 16, 0, 600),
+                                                    Shard("a", 1, 0, 16, 600, 400)]
+    # a piece that cannot merge with the first does not stop the search for one that can
+    skip = Plan("t", "x", [Shard("a", 0, 0, 16, 0, 200), Shard("a", 0, 0, 16, 600, 200), Shard("a", 0, 0, 16, 200, 200),
+                           Shard("a", 1, 0, 16, 400, 200), Shard("a", 1, 0, 16, 800, 200)])
+    assert normalize(make(), skip).shards == [Shard("a", 0, 0, 16, 0, 400), Shard("a", 0, 0, 16, 600, 200),
+                                              Shard("a", 1, 0, 16, 400, 200), Shard("a", 1, 0, 16, 800, 200)]
     # grid: two column halves of rows 0-500 on device 1 merge side by side; rows 500-1000 stay apart
     grid = Plan("t", "x", [Shard("a", 1, 8, 8, 0, 500), Shard("a", 1, 0, 8, 0, 500), Shard("a", 0, 0, 16, 500, 500)])
     assert normalize(make(), grid).shards == [Shard("a", 1, 0, 16, 0, 500), Shard("a", 0, 0, 16, 500, 500)]
@@ -797,7 +813,7 @@ def test_round_robin_and_pile_up_by_hand():
     assert {s.device for s in pile.shards} == {0} and [s.table for s in pile.shards] == ["t4", "t3", "t2", "t1", "t0"]
     spill = PileUpSharder().shard(task_of(tables, devices=3, memory=2 * need))
     assert [(s.table, s.device) for s in spill.shards] == [("t4", 0), ("t3", 0), ("t2", 1), ("t1", 1), ("t0", 2)]
-    assert spill.algorithm == "pile_up"
+    assert spill.algorithm == "pile_up" and spill.task == "t"
 
 
 def test_random_is_seeded_and_uniform_over_devices_with_room():
