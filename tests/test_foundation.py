@@ -171,6 +171,8 @@ def test_task_topology_and_lookups():
     assert t.tables == (A, B) and t.hosts == 2 and [t.host_of(d) for d in (0, 3, 4, 7)] == [0, 0, 1, 1]
     assert isinstance(t.intra_host_gbps, float) and t.intra_host_gbps == 100.0 and t.inter_host_gbps == 10.0
     assert Task("t", 6, 100, 8, (A,), hosts=3, devices_per_host=2).hosts == 3
+    assert type(t.hosts) is int
+    assert Task("t", 2, 1, 8, (A,), hosts=1, devices_per_host=2).hosts == 1  # the smallest valid values
     single = Task("t", 3, 100, 8, (A,))
     assert single.devices_per_host == 3 and single.hosts == 1 and single.host_of(2) == 0
     assert single.table("a") is A and single.table_by_name == {"a": A}
@@ -474,6 +476,7 @@ def make(tables=(A,), devices=2, memory=10**9, batch=10):
     ([Shard("a", 0, 0, 16, 0, 1000, replica=-1)], "table 'a': shard has non-positive size or negative offset: "
                                                   "Shard(table='a', device=0, col_offset=0, dim=16, row_offset=0, rows=1000, replica=-1)"),
     ([Shard("a", 0, 0, 6, 0, 1000)], "table 'a': column split at offset 0 width 6 is not a multiple of 4"),
+    ([Shard("a", 0, 0, 1, 0, 1000)], "table 'a': column split at offset 0 width 1 is not a multiple of 4"),
     ([Shard("a", 0, 2, 4, 0, 1000)], "table 'a': column split at offset 2 width 4 is not a multiple of 4"),
     ([Shard("a", 0, 0, 16, 1, 1000)], "table 'a': shard [1:1001, 0:16] exceeds the table's 1000 × 16"),
     ([Shard("a", 0, 8, 12, 0, 1000)], "table 'a': shard [0:1000, 8:20] exceeds the table's 1000 × 16"),

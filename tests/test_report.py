@@ -106,6 +106,8 @@ def test_paired_samples_ratio():
 
 def test_vs_best_heuristic_per_task():
     rs = [
+        measured("w", "neuroshard", [1.0]),          # no heuristic on task w: left out, the others still done
+        Result("x", "random", False, error="no room"),  # no cost: skipped, the task's others still done
         measured("x", "neuroshard", [3.0], samples=[3.0, 3.0]),
         measured("x", "size_greedy", [6.0], samples=[6.0, 6.0]),
         measured("x", "random", [9.0], samples=[9.0, 9.0]),
@@ -228,6 +230,8 @@ def test_render_pads_drops_empty_columns_and_shows_reasons():
     # without reasons every row is full, and a column that is "-" in every row but has a header
     # among the first two is kept
     assert render(cols[:2], [{"n": "-", "ok": "-"}]).splitlines() == ["name  ok", "----  --", "-     -"]
+    # the third column is dropped when empty, like any after it
+    assert render([cols[0], cols[1], cols[3]], rows[:2]).splitlines()[0] == "name   ok"
 
 
 def test_format_table_and_results_by_hand():
@@ -355,6 +359,9 @@ def test_plot_costs_bars_are_the_summary(tmp_path, monkeypatch):
     ratios = [c.get_offsets().tolist() for c in ax_ratio.collections if isinstance(c, PathCollection)]
     assert ratios == [[[0, 1.0], [0, 1.0]], [[1, 2.0], [1, 2.0]], [[2, 2.5]]]
     assert ax_cost.get_ylabel().startswith("measured cost (ms") and saved["path"] == tmp_path / "c.png"
+    assert plot_costs([measured("p", "a", [1.0])], tmp_path / "d.png")  # no spread: a zero-length error bar
+    [bars] = [c for c in saved["fig"].axes[0].collections if isinstance(c, LineCollection)]
+    assert [tuple(seg[:, 1]) for seg in bars.get_segments()] == [(1.0, 1.0)]
     assert not plot_costs(rs, tmp_path / "none.png", metric="estimated_cost_ms")  # nothing estimated
     assert "fig" in saved and not (tmp_path / "none.png").exists()
 

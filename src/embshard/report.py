@@ -305,8 +305,8 @@ def plot_costs(results: Sequence[Result], path: str | os.PathLike, metric: str =
     spreads = [r.get("mean_spread_ms") or 0.0 for r in rows]
     ratios = [r["mean_ratio_to_best"] for r in rows]
     fig, (ax_cost, ax_ratio) = plt.subplots(1, 2, figsize=(max(9.0, 2.0 * len(names)), 4.4))  # pragma: no mutate
-    ax_cost.bar(range(len(names)), means, yerr=spreads,  # pragma: no mutate
-                capsize=4, color="#4C72B0", alpha=0.85, label="mean over tasks (± spread)")  # pragma: no mutate
+    bar_style = dict(capsize=4, color="#4C72B0", alpha=0.85, label="mean over tasks (± spread)")  # pragma: no mutate
+    ax_cost.bar(range(len(names)), means, yerr=spreads, **bar_style)
     ax_ratio.bar(range(len(names)), ratios, color="#DD8452", alpha=0.85, label="mean")  # pragma: no mutate
     for i, name in enumerate(names):
         mine = [r for r in results if r.algorithm == name and getattr(r, metric) is not None]
