@@ -783,6 +783,18 @@ def test_every_baseline_looks_ahead_instead_of_stranding_a_big_table():
         assert plan.task == "t" and plan.algorithm == sharder.name
 
 
+def test_pile_up_looks_ahead_too():
+    # needs (batch 1, dim 4: 16 x (rows + 2) bytes): two hot tables of 6400, two cold of 9600;
+    # 16000 bytes a device. Heaviest first onto device 0 would put both hot ones there (12800)
+    # and leave no device room for the second cold one. The only plan: one of each per device.
+    hot = [Table(f"h{i}", 398, 4, 10.0) for i in range(2)]
+    cold = [Table(f"c{i}", 598, 4, 1.0) for i in range(2)]
+    task = task_of([*hot, *cold], devices=2, memory=16000, batch=1)
+    assert [task.table_memory_bytes(t) for t in (*hot, *cold)] == [6400, 6400, 9600, 9600]
+    plan = PileUpSharder().shard(task)
+    assert [(s.table, s.device) for s in plan.shards] == [("h0", 0), ("h1", 1), ("c0", 0), ("c1", 1)]
+
+
 def test_every_baseline_names_the_table_that_fits_nowhere():
     tables = [Table("small", 10, 4, 1.0), Table("huge", 10_000, 64, 1.0)]
     need = task_of(tables, batch=1).table_memory_bytes(tables[1])
