@@ -34,7 +34,7 @@ clean:
 # Test strength (docs/development.md, "Mutation testing"); not part of `make test` or CI. mutmut
 # mutates plan.py, task.py, tables.py, search/baselines.py, flexshard/traffic.py and report.py
 # and runs, per mutant, the fast hand-derived tests that execute the mutated function
-# ([tool.mutmut] in pyproject.toml). About 20 minutes here; results stay in mutants/ (a re-run
+# ([tool.mutmut] in pyproject.toml). About 10 minutes here; results stay in mutants/ (a re-run
 # only tests what changed). `mutmut results` lists the survivors, `mutmut show NAME` one diff.
 MUTMUT_VERSION := 3.8.1
 
