@@ -248,17 +248,31 @@ def test_throughput_two_processes(tiny_task, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((out / "throughput.json").read_text())
     assert set(result["plans"]) == {"mixed", "pile_up"} and result["reference"] == "pile_up"
-    assert result["plans"]["pile_up"]["ratio_to_reference"]["mean"] == 1.0
     assert len(result["records"]) == 2 * 2 and all(len(rec["rank_step_seconds"]) == 2 for rec in result["records"])
+    # samples/s of each round from the raw step times: the global batch x steps over the slower
+    # rank's summed seconds; the ratio to the reference is mixed / pile_up round by round
+    rate = {}
+    for rec in result["records"]:
+        steps = len(rec["rank_step_seconds"][0])
+        rate[(rec["round"], rec["plan"])] = 64 * steps / max(sum(r) for r in rec["rank_step_seconds"])
+    rounds = sorted({rnd for rnd, _ in rate})
+    per_round = [rate[(r, "mixed")] / rate[(r, "pile_up")] for r in rounds]
+    mixed = result["plans"]["mixed"]
+    assert mixed["samples_per_s"]["per_round"] == pytest.approx([rate[(r, "mixed")] for r in rounds])
+    assert mixed["ratio_to_reference"]["per_round"] == pytest.approx(per_round)
+    assert mixed["ratio_to_reference"]["mean"] == pytest.approx(sum(per_round) / len(per_round))
     assert (out / "throughput.png").stat().st_size > 0
     assert "samples/s" in r.stdout
     # shard.py's measured costs matched to the plans by task and algorithm
     assert result["embedding_cost_ms"] == {"kernels": {"mixed": 5.0, "pile_up": 9.0}}
-    # tau between throughput and each report's costs, the report named by what it timed
-    assert set(result["kendall_tau_throughput_vs_cost"]) == {"kernels"}
-    # per-rank lookup time (CPU): pile_up puts every table on rank 0, so rank 1 looks up nothing
-    pile = result["lookup_forward_ms_per_step"]["pile_up"]
-    assert len(pile) == 2 and pile[0] > 0 and pile[1] < 0.5 * pile[0]
+    # tau between throughput and each report's costs, the report named by what it timed. With two
+    # plans it is +1 when the plan with the lower cost (mixed, 5 ms) had the higher mean throughput
+    faster = sum(rate[(r, "mixed")] for r in rounds) > sum(rate[(r, "pile_up")] for r in rounds)
+    assert result["kendall_tau_throughput_vs_cost"] == {"kernels": 1.0 if faster else -1.0}
+    # per-rank lookup time (CPU), one value per rank and plan. (Which rank is slower is not
+    # asserted: a timing, and on a busy machine rank 1's empty lookup has been seen to take longer.)
+    lookup = result["lookup_forward_ms_per_step"]
+    assert set(lookup) == {"mixed", "pile_up"} and all(len(v) == 2 and min(v) >= 0 for v in lookup.values())
 
 
 @pytest.mark.slow
@@ -296,13 +310,16 @@ def test_missing_or_malformed_plan_file_one_line_error(tiny_task, tmp_path, cont
 
 
 def test_single_process_run_on_criteo_tsv(tmp_path):
-    """One process (no torchrun): a 1-device task trained on a Criteo TSV, several epochs."""
+    """One process (no torchrun): a 1-device task trained on a Criteo TSV, several epochs. Every
+    label in the file is 0, so each optimizer step on the file's samples moves the model towards
+    predicting 0: the loss falls window after window (with the random labels of a real day it
+    need not)."""
     rng = np.random.default_rng(0)
     with open(tmp_path / "day.tsv", "w") as f:
         for _ in range(100):
             dense = [str(int(v)) for v in rng.integers(0, 50, 13)]
             cats = [f"{int(v):08x}" for v in rng.integers(0, 2**32, 26)]
-            f.write("\t".join([str(int(rng.integers(0, 2))), *dense, *cats]) + "\n")
+            f.write("\t".join(["0", *dense, *cats]) + "\n")
     task = small_task(num_devices=1, dims=(8, 16, 8), batch=16, name="one")
     task.save(tmp_path / "task.json")
     out = tmp_path / "run"
@@ -312,6 +329,9 @@ def test_single_process_run_on_criteo_tsv(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["steps"] == 15  # 100 lines / 16 = 6 batches an epoch
+    losses = [w["loss"] for w in summary["loss_curve"]]
+    assert [w["step"] for w in summary["loss_curve"]] == [5, 10, 15]
+    assert losses[0] > losses[1] > losses[2] and summary["loss_decreased"]
 
 
 class _OneRank:

@@ -256,11 +256,24 @@ def test_device_costs_simulate_the_plan_at_the_tasks_batch(trained):
     plan = Plan("t", "manual", shards)
     costs = models.device_costs(task, plan)
     p = models.at_batch(BATCH)
-    compute = p.compute_ms(device_pieces(task, plan))
-    assert costs.compute_ms == pytest.approx(list(compute))
-    fw, bw = p.comm_ms(np.array(plan.device_widths(3)), compute - compute.min())
-    assert costs.forward_comm_ms == pytest.approx(list(fw)) and costs.backward_comm_ms == pytest.approx(list(bw))
-    assert costs.plan_cost_ms == pytest.approx(max(c + f + b for c, f, b in zip(compute, fw, bw)))
+    # each device's pieces written out by hand from the placement above (not through
+    # device_pieces), predicted one device at a time
+    if last.dim >= 8:
+        half = last.with_dim(last.dim // 2)
+        by_hand = [[pool[0], pool[3], half], [pool[1], pool[4]], [pool[2], half]]
+    else:
+        by_hand = [[pool[0], pool[3]], [pool[1], pool[4]], [pool[2], last]]
+    compute = np.array([float(p.compute_ms([pieces])[0]) for pieces in by_hand])
+    assert costs.compute_ms == pytest.approx(list(compute), rel=1e-5)
+    widths = np.array([float(sum(t.dim for t in pieces)) for pieces in by_hand])
+    assert widths.sum() == sum(t.dim for t in pool)  # every column sent once
+    # the slowest device leads by nothing; the others wait for it in the forward all-to-all
+    delays = compute - compute.min()
+    fw, bw = p.comm_ms(widths, delays)
+    assert costs.forward_comm_ms == pytest.approx(list(fw), rel=1e-5)
+    assert costs.backward_comm_ms == pytest.approx(list(bw), rel=1e-5)
+    slowest = int(np.argmax(compute + fw + bw))
+    assert costs.plan_cost_ms == pytest.approx(compute[slowest] + fw[slowest] + bw[slowest], rel=1e-5)
     # another batch size is the models' own prediction at that batch (no linear rescaling)
     task2 = Task("t", 3, 1 << 40, 2 * BATCH, tuple(pool))
     c2 = models.device_costs(task2, plan)

@@ -45,6 +45,21 @@ def simulated(task, plan) -> float:
     return PredictorCostModel(AnalyticPredictor(batch_size=task.batch_size)).device_costs(task, plan).plan_cost_ms
 
 
+def analytic_plan_cost_ms(task, plan, batch=None) -> float:
+    """A plan's cost as the simulator defines it, worked out with the scalar AnalyticCostModel
+    (not the vectorised AnalyticPredictor or the Simulator): per device the fused kernel's
+    compute of its (table, shard) pieces, the all-to-all's transfer time, and in the forward
+    the wait for the slowest device's compute; the plan costs its slowest device's total."""
+    model = AnalyticCostModel()
+    batch = batch or task.batch_size
+    tables = task.table_by_name
+    d = task.num_devices
+    compute = [model.compute_ms([(tables[s.table], s) for s in plan.shards_on(k)], batch) for k in range(d)]
+    transfer = model.transfer_ms(plan.device_widths(d), batch)
+    wait = [max(compute) - c for c in compute] if d > 1 else [0.0]
+    return max(c + (t + w) + t for c, t, w in zip(compute, transfer, wait))
+
+
 class Counting:
     """Wraps a predictor and counts what reaches it."""
 
@@ -144,22 +159,14 @@ def test_prediction_cache_keys_on_the_piece_multiset():
 # ----------------------------------------------------------------------------- search
 @settings(max_examples=12, deadline=None)
 @given(task_st())
-def test_plans_are_valid_and_costed_by_the_simulator(task):
+def test_plans_are_valid_and_their_predicted_cost_is_the_analytic_models(task):
     s = sharder(beam_steps=2)
     plan = s.shard(task)
     validate(task, plan)
     assert plan.algorithm == "neuroshard" and plan.task == task.name
-    assert s.last_predicted_cost_ms == pytest.approx(simulated(task, plan), rel=1e-6)
+    # a second implementation of the cost (delays are rounded to 0.01 ms in the comm cache key)
+    assert s.last_predicted_cost_ms == pytest.approx(analytic_plan_cost_ms(task, plan), rel=1e-6, abs=0.02)
     assert s.last_search_seconds is not None and s.last_search_seconds >= 0
-
-
-@settings(max_examples=8, deadline=None)
-@given(task_st())
-def test_beam_is_never_worse_than_the_table_wise_greedy(task):
-    table_wise = sharder(column_wise=False).shard(task)
-    beam = sharder(beam_steps=3)
-    plan = beam.shard(task)
-    assert beam.last_predicted_cost_ms <= simulated(task, table_wise) + 1e-9
 
 
 def test_greedy_picks_the_cheapest_device_for_the_whole_shard():
@@ -257,14 +264,32 @@ def test_infeasible_task_names_the_table_and_the_shortfall():
     assert e.value.table == "thin" and e.value.shortfall_bytes > 0
 
 
-def test_look_ahead_keeps_a_tight_task_packable():
-    # Costs order the small hot tables first; a naive greedy would spread them and leave no
-    # device with room for the two big cold ones.
-    hot = [Table(f"h{i}", 1000, 8, 50.0) for i in range(4)]
-    cold = [Table(f"c{i}", 1_000_000, 16, 0.1) for i in range(2)]
-    task = make_task([*hot, *cold], 2, slack=1.02)
-    plan = sharder(column_wise=False).shard(task)
+def test_look_ahead_keeps_a_tight_task_packable(monkeypatch):
+    # Four small hot tables (294,144 bytes each: 1000 x 8 x 4 weights + 2 x 4096 x 8 x 4 I/O) and
+    # one big cold dim-4 table of 1,731,072 bytes (100,000 x 4 x 4 + 2 x 4096 x 4 x 4); each device
+    # has exactly the big table's bytes. The only plan: the big table alone on one device, the
+    # four hot ones (1,176,576 bytes) on the other. The hot tables are placed first (costlier);
+    # a greedy that balances them 2 + 2 leaves 1,142,784 bytes per device and strands the big
+    # one, which cannot be split by columns (dim 4) and is not allowed to be split by rows here.
+    hot = [Table(f"h{i}", 1000, 8, 100.0) for i in range(4)]
+    big = Table("big", 100_000, 4, 0.1)
+    task = Task("t", 2, 1_731_072, BATCH, (*hot, big))
+    assert task.table_memory_bytes(big) == 1_731_072 and task.table_memory_bytes(hot[0]) == 294_144
+    search = sharder(column_wise=False, row_wise=False).search(task)
+    pieces = search.pieces_of(search.initial_state())
+    assert min(p.single_ms for p in pieces if p.table.name != "big") > next(p.single_ms for p in pieces if p.table.name == "big")
+    plan = sharder(column_wise=False, row_wise=False).shard(task)
     validate(task, plan)
+    big_device = next(s.device for s in plan.shards if s.table == "big")
+    assert [s.table for s in plan.shards if s.device == big_device] == ["big"]
+    # without the look-ahead (the most preferred device with room, always) the same search fails
+    from embshard.search.neuroshard import LookAhead
+
+    monkeypatch.setattr(LookAhead, "choose", lambda self, i, free, preference: next(
+        d for d in preference if free[d] >= self.needs[i]))
+    with pytest.raises(InfeasibleError) as e:
+        sharder(column_wise=False, row_wise=False).shard(task)
+    assert e.value.table == "big"
 
 
 # ----------------------------------------------------------------------------- caching, modes
@@ -379,7 +404,8 @@ def test_costs_are_scaled_from_the_predictor_batch_to_the_task_batch():
     half = AnalyticPredictor(batch_size=BATCH // 2)  # a model trained at half the task's batch
     s = sharder(predictor=half)
     plan = s.shard(task)
-    raw = Simulator(AnalyticPredictor(batch_size=BATCH // 2)).device_costs(
-        [[Table(x.table, 1000, x.dim, 1.0 if x.table == "a" else 2.0) for x in plan.shards_on(d)] for d in range(2)])
-    assert s.last_predicted_cost_ms == pytest.approx(2.0 * raw.plan_cost_ms)
-    assert PredictorCostModel(half).device_costs(task, plan).plan_cost_ms == pytest.approx(s.last_predicted_cost_ms)
+    # the model's cost at half the batch, worked out without the simulator, scaled by 4096 / 2048
+    at_half = analytic_plan_cost_ms(task, plan, batch=BATCH // 2)
+    assert s.last_predicted_cost_ms == pytest.approx(2.0 * at_half, rel=1e-6, abs=0.02)
+    # not the cost at the task's own batch: the analytic model is not linear in the batch (launch costs)
+    assert abs(s.last_predicted_cost_ms - analytic_plan_cost_ms(task, plan)) > 0.1

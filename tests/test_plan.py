@@ -46,6 +46,31 @@ def feasible_task_st(draw):
     return make_task(tables, devices, memory, optimizer=optimizer)
 
 
+def first_fit_decreasing_packs(needs: list[int], devices: int, memory: int) -> bool:
+    """An independent packer: the largest need first, each onto the first device with room."""
+    free = [memory] * devices
+    for need in sorted(needs, reverse=True):
+        room = [d for d in range(devices) if free[d] >= need]
+        if not room:
+            return False
+        free[room[0]] -= need
+    return True
+
+
+@st.composite
+def tight_task_st(draw):
+    """Tasks with 1.0-1.2x the memory their tables need (the larger of the biggest table and an
+    even share of all of them), so memory binds: a careless placement strands a table."""
+    tables = draw(tables_st(min_tables=2, max_tables=14))
+    devices = draw(st.integers(2, 5))
+    optimizer = draw(st.sampled_from(["sgd", "rowwise_adagrad", "adam"]))
+    probe = make_task(tables, devices, 1, optimizer=optimizer)
+    needs = [probe.table_memory_bytes(t) for t in tables]
+    slack = draw(st.floats(1.0, 1.2))
+    memory = int(slack * max(max(needs), -(-sum(needs) // devices)))
+    return make_task(tables, devices, memory, optimizer=optimizer)
+
+
 @settings(max_examples=60, deadline=None)
 @given(feasible_task_st())
 def test_every_baseline_returns_a_valid_plan_on_feasible_tasks(task):
@@ -54,6 +79,26 @@ def test_every_baseline_returns_a_valid_plan_on_feasible_tasks(task):
         validate(task, plan)
         assert sorted(s.table for s in plan.shards) == sorted(t.name for t in task.tables)
         assert all(m <= task.device_memory_bytes for m in plan.memory_bytes(task))
+
+
+@settings(max_examples=150, deadline=None)
+@given(tight_task_st())
+def test_baselines_under_tight_memory_plan_whenever_first_fit_decreasing_packs(task):
+    """Memory binds here. Every baseline places through the ledger's look-ahead, so whenever a
+    first-fit-decreasing packing of the tables exists (checked by the packer above, not the
+    ledger's), every baseline finds a valid plan; otherwise it may only fail with the
+    structured InfeasibleError, never with an invalid plan."""
+    packs = first_fit_decreasing_packs([task.table_memory_bytes(t) for t in task.tables], task.num_devices,
+                                       task.device_memory_bytes)
+    for sharder in BASELINES:
+        try:
+            plan = sharder.shard(task)
+        except InfeasibleError as e:
+            assert not packs, f"{sharder.name} missed a table-wise plan first-fit decreasing finds: {e}"
+            assert e.shortfall_bytes > 0 and e.table in task.table_by_name
+            continue
+        validate(task, plan)
+        assert sorted(s.table for s in plan.shards) == sorted(t.name for t in task.tables)
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,10 +1,13 @@
-"""DreamShard and AutoShard: a short seeded training on a tiny setting (real FBGEMM CPU
-kernels measure the policy's plans; compute only, to stay fast), then the searchers built
-from the checkpoints it writes: learning beats a random policy, checkpoints round-trip and
-fail with one line, unseen device counts plan, random feasible tasks always get valid
-plans, infeasible tasks get the baselines' one-line memory error.
+"""DreamShard and AutoShard: a short seeded training on a tiny setting, then the searchers built
+from the checkpoints it writes: learning beats a random policy on the true cost, checkpoints
+round-trip and fail with one line, unseen device counts plan, random feasible tasks (tight
+memory included) always get valid plans, infeasible tasks get the baselines' one-line memory
+error.
 
-The training runs once per module (about 10 s for both algorithms).
+The "hardware" the policies are trained against is the closed-form AnalyticCostModel: it is
+deterministic, so the true cost of any plan is known exactly, and learning is judged by it,
+not by the cost network the policy trained against. (Training on FBGEMM's real kernels runs
+in test_rl_cli.py.) The training runs once per module.
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from embshard import InfeasibleError, InputError, Table, Task, validate
-from embshard.hardware.evaluator import HardwareEvaluator
-from embshard.hardware.protocol import MeasurementProtocol
+from embshard.costs.analytic import AnalyticCostModel
 from embshard.search.baselines import GreedySharder, RandomSharder
 from embshard.search.rl.checkpoint import load_checkpoint, save_checkpoint
 from embshard.search.rl.env import best_plan, rollout
@@ -33,6 +35,8 @@ from embshard.search.rl.stage import make_agent, switches_of, train_agent
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 512
 SHARDERS = {"dreamshard": DreamShardSharder, "autoshard": AutoShardSharder}
+#: the "hardware" of these tests: deterministic, so a plan's true cost is known exactly
+TRUTH = AnalyticCostModel()
 
 
 def make_task(tables, num_devices, batch_size=BATCH, slack=1.5, name="t") -> Task:
@@ -66,13 +70,12 @@ def rl_config(algorithm: str, *overrides: str) -> dict:
 def trained(tmp_path_factory):
     """Both algorithms trained on tiny 2-device tasks; checkpoints written."""
     torch.set_num_threads(1)
-    evaluator = HardwareEvaluator(comm_backend=None, protocol=MeasurementProtocol(repetitions=2, visits=1, probe=False), seed=0)
     tasks = tiny_tasks(0, 8, 2, "train")
     out = {}
     for algorithm in SHARDERS:
         c = rl_config(algorithm)
         d = tmp_path_factory.mktemp(algorithm)
-        agent, module, timing = train_agent(c, tasks, d, lambda task, plans: evaluator.measure_many(task, plans, visits=1))
+        agent, module, timing = train_agent(c, tasks, d, lambda task, plans: [TRUTH.device_costs(task, p) for p in plans])
         path = d / "policy.pt"
         card = {"measurements": module.measurements, "train_tables": sorted({t.name for k in tasks for t in k.tables})}
         save_checkpoint(path, agent, c["nets"][algorithm], switches_of(c), card, {"history": module.history})
@@ -80,25 +83,29 @@ def trained(tmp_path_factory):
     return out
 
 
+def true_cost(task: Task, plan) -> float:
+    return TRUTH.device_costs(task, plan).plan_cost_ms
+
+
 @pytest.mark.parametrize("algorithm", list(SHARDERS))
-def test_short_training_beats_the_random_policy_on_estimated_cost(trained, algorithm):
+def test_short_training_beats_the_random_policy_on_the_true_cost(trained, algorithm):
     t = trained[algorithm]
     agent, c = t["agent"], t["config"]
-    assert t["module"].measurements == 3 * 2 * 3  # iterations x tasks x plans, all on real kernels
+    assert t["module"].measurements == 3 * 2 * 3  # iterations x tasks x plans, each costed by the "hardware"
     held_out = tiny_tasks(1, 6, 2, "test")  # tables never seen in training
+    # the random policy's expected cost per task: the mean over 8 random plans
+    rnd = np.array([np.mean([true_cost(k, RandomSharder(seed=s).shard(k)) for s in range(8)]) for k in held_out])
 
-    def ratio(planner) -> float:  # plans of `planner`, all estimated by the trained cost network
-        ours = [agent.estimate_plan(k, best_plan(planner, k, 0)[0]) for k in held_out]
-        rnd = [np.mean([agent.estimate_plan(k, RandomSharder(seed=s).shard(k)) for s in range(4)]) for k in held_out]
-        return float(np.mean(np.array(ours) / np.array(rnd)))
+    def ratios(planner) -> np.ndarray:  # the planner's argmax plan on each task, by its true cost
+        return np.array([true_cost(k, best_plan(planner, k, 0)[0]) for k in held_out]) / rnd
 
-    trained_ratio = ratio(agent)
+    trained_ratios = ratios(agent)
     torch.manual_seed(1)
-    untrained_ratio = ratio(make_agent(c, t["tasks"]))  # every network at its initial weights
-    # seen here (real kernels label the cost network, so runs differ): trained 0.84-0.89,
-    # untrained 1.03-1.17, random 1 by definition
-    assert trained_ratio <= 0.95, (trained_ratio, untrained_ratio)
-    assert untrained_ratio >= trained_ratio + 0.1, (trained_ratio, untrained_ratio)
+    untrained_ratios = ratios(make_agent(c, t["tasks"]))  # every network at its initial weights
+    # better than random on average and on most tasks, and better than before training
+    assert trained_ratios.mean() < 1.0, (trained_ratios, untrained_ratios)
+    assert (trained_ratios < 1.0).sum() >= 4, trained_ratios
+    assert trained_ratios.mean() < untrained_ratios.mean(), (trained_ratios, untrained_ratios)
 
 
 @pytest.mark.parametrize("algorithm", list(SHARDERS))
@@ -167,8 +174,8 @@ def test_device_and_table_counts_unseen_in_training(trained, algorithm):
 
 @st.composite
 def feasible_task_st(draw):
-    """Any table and device count, several batch sizes; memory such that a memory-respecting
-    placement exists (each table at most half a device, all at most half of all memory)."""
+    """Any table and device count, several batch sizes; memory 1.0-1.2x (tight: memory binds)
+    or 2-4x (loose) the larger of the biggest table's need and an even share of all needs."""
     n = draw(st.integers(1, 40))
     tables = [Table(f"h{i}", draw(st.integers(1, 300_000)), 4 * draw(st.integers(1, 32)), draw(st.floats(0.0, 80.0)))
               for i in range(n)]
@@ -176,19 +183,44 @@ def feasible_task_st(draw):
     batch = draw(st.sampled_from([64, 512, 4096]))
     probe = Task("h", devices, 1, batch, tuple(tables))
     need = [probe.table_memory_bytes(t) for t in tables]
-    memory = max(2 * max(need), -(-2 * sum(need) // devices))
-    memory += draw(st.integers(0, memory))
+    slack = draw(st.one_of(st.floats(1.0, 1.2), st.floats(2.0, 4.0)))
+    memory = int(slack * max(max(need), -(-sum(need) // devices)))
     return Task("h", devices, memory, batch, tuple(tables))
+
+
+def first_fit_decreasing_packs(task: Task) -> bool:
+    """An independent packer: the largest table first, each onto the first device with room."""
+    free = [task.device_memory_bytes] * task.num_devices
+    for need in sorted((task.table_memory_bytes(t) for t in task.tables), reverse=True):
+        room = [d for d in range(task.num_devices) if free[d] >= need]
+        if not room:
+            return False
+        free[room[0]] -= need
+    return True
+
+
+SHIPPED = {"dreamshard": ROOT / "checkpoints" / "dreamshard_cpu" / "policy.pt",
+           "autoshard": ROOT / "checkpoints" / "autoshard_cpu" / "policy.pt"}
 
 
 @settings(max_examples=40, deadline=None)
 @given(task=feasible_task_st())
 def test_random_feasible_tasks_always_get_valid_plans(trained, task):
+    """The tiny policies trained here and the shipped ones: whenever a first-fit-decreasing
+    packing exists (the look-ahead's promise), a valid plan; otherwise a valid plan or the
+    structured InfeasibleError."""
+    packs = first_fit_decreasing_packs(task)
     for algorithm, cls in SHARDERS.items():
-        plan = cls(checkpoint=str(trained[algorithm]["path"]), samples=2).shard(task)
-        validate(task, plan)
-        assert sorted(s.table for s in plan.shards) == sorted(t.name for t in task.tables)
-        assert all(m <= task.device_memory_bytes for m in plan.memory_bytes(task))
+        for checkpoint in (trained[algorithm]["path"], SHIPPED[algorithm]):
+            try:
+                plan = cls(checkpoint=str(checkpoint), samples=2).shard(task)
+            except InfeasibleError as e:
+                assert not packs, f"{algorithm} ({checkpoint}) missed a plan first-fit decreasing finds: {e}"
+                assert e.shortfall_bytes > 0
+                continue
+            validate(task, plan)
+            assert sorted(s.table for s in plan.shards) == sorted(t.name for t in task.tables)
+            assert all(m <= task.device_memory_bytes for m in plan.memory_bytes(task))
 
 
 @pytest.mark.parametrize("algorithm", list(SHARDERS))

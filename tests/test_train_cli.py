@@ -66,7 +66,7 @@ def test_bad_dataset_file_one_line_error_nothing_written(tmp_path, kind):
             torch.save((torch.arange(10), torch.arange(5)), f)
     out = tmp_path / "out"
     proc = run_train("stage=pool", "dataset=dlrm_2021", f"dataset.path={path}", f"out_dir={out}")
-    assert proc.returncode != 0
+    assert proc.returncode == 2, proc.stderr  # bad input: exit 2 (embshard.cli.one_line_errors)
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert lines[-1].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
     assert not out.exists()
