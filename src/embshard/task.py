@@ -140,15 +140,16 @@ class Task:
         A sequence piece outputs one vector per id it serves: its share of the batch's
         batch × pooling_factor ids by rows (the uniform-access share TorchRec's planner also
         uses for row-wise I/O). A piece held in `copies` replicas serves 1/copies of the batch
-        on each (data-parallel: every copy serves its own samples).
+        on each (data-parallel: every copy serves its own samples). A pooled table read by
+        several features (`num_poolings`) has one output per bag.
         """
         weights = rows * dim * table.bytes_per_element
         optimizer_state = rows * OPTIMIZER_STATE_BYTES_PER_ROW[self.optimizer](dim)
         if table.is_sequence:
             lookups = math.ceil(self.batch_size * table.pooling_factor * rows / (table.rows * copies))
             io = 2 * lookups * dim * OUTPUT_BYTES_PER_ELEMENT
-        else:
-            io = 2 * math.ceil(self.batch_size / copies) * dim * OUTPUT_BYTES_PER_ELEMENT
+        else:  # every bag of the table (num_poolings per sample) has its own pooled output
+            io = 2 * math.ceil(math.ceil(self.batch_size / copies) * table.num_poolings) * dim * OUTPUT_BYTES_PER_ELEMENT
         return weights + optimizer_state + io
 
     def table_memory_bytes(self, table: Table) -> int:

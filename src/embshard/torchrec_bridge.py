@@ -6,45 +6,39 @@
   becomes one `Shard` (rank = device, offsets/sizes = rectangle); empty shards (TorchRec
   pads row-wise splits with 0-row shards) are dropped. This covers table_wise,
   column_wise, row_wise, table_row_wise, table_column_wise and grid_shard alike.
-  data_parallel raises PlanError: our plan format covers each cell exactly once and has no
-  replication, so a replicated table has no faithful representation (silently picking one
-  replica would misstate memory and cost).
+  data_parallel becomes the whole table on every rank: replica 0 on rank 0 and replica k on
+  rank k (counted in memory on every rank, as training allocates it).
 * `plan_to_torchrec(task, plan)`: export. Each table's shards become one `ParameterSharding`
-  with compute kernel "fused" (FBGEMM's table-batched kernel), built directly from
-  `EnumerableShardingSpec`/`ShardMetadata` (TorchRec's helpers either fix the shard order
-  to the rank order or, for uneven row splits, force the inference-only QUANT kernel).
-  What TorchRec's training path can run:
-
-  - one shard covering the whole table -> table_wise;
-  - shards that each hold all rows and split the columns (any widths, any ranks, several
-    per rank allowed) -> column_wise;
-  - shards that each hold all columns and split the rows -> row_wise, but only in TorchRec's
-    exact layout: blocks of ceil(rows / world_size) rows on ranks 0, 1, ..., world_size-1
-    in order (its input dist bucketizes ids by that block size, whatever the shard
-    metadata says: an uneven 20/13 split of a 33-row table gave pooled sums off by up to
-    1.8 under DMP when we tried it);
-    or the same over the `local_world_size` ranks of one host -> table_row_wise;
-  - column slices (any widths) each row-split in that layout over the ranks of one host
-    -> grid_shard.
-
-  Anything else (uneven or reordered row splits, row splits over a subset of ranks that is
-  not one host, other row-and-column splits) raises a one-line PlanError naming the
-  table, instead of failing, or silently computing wrong embeddings, inside TorchRec.
+  with compute kernel "fused" (FBGEMM's table-batched kernel; "dense" for data_parallel, the
+  only kernel TorchRec runs it with), built directly from `EnumerableShardingSpec` /
+  `ShardMetadata` (TorchRec's helpers either fix the shard order to the rank order or, for
+  uneven row splits, force the inference-only QUANT kernel). What TorchRec's training path can
+  run, and which sharding type each layout is, is `embshard.layouts`; a table constrained to
+  some sharding types (`Table.sharding_types`) is exported as the first of them its layout
+  allows. Anything TorchRec cannot train (uneven or reordered row splits, row splits over a
+  subset of ranks that is not one host, other row-and-column splits, replicas on some ranks
+  only) raises a one-line PlanError naming the table, instead of failing, or silently
+  computing wrong embeddings, inside TorchRec.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Sequence
-
 import torch
 
 from embshard.errors import InputError, PlanError
-from embshard.plan import Plan, Shard, even_row_layout, validate
+from embshard.layouts import choose_layout
+from embshard.plan import Plan, Shard, validate
 from embshard.task import Task
 
 #: The compute kernel every exported table uses: FBGEMM's fused table-batched kernel.
 FUSED = "fused"
+#: data_parallel tables run TorchRec's dense kernel (the only one it offers for them).
+DENSE = "dense"
+
+
+def compute_kernel(sharding_type: str) -> str:
+    """The compute kernel an exported table of `sharding_type` gets."""
+    return DENSE if sharding_type == "data_parallel" else FUSED
 
 
 def _data_type(table) -> "object":
@@ -130,8 +124,8 @@ def plan_from_torchrec(
 ) -> Plan:
     """Our Plan from TorchRec's `ShardingPlan` (or a bare per-table dict) for `task`.
 
-    Every table of the task must be in the TorchRec plan, with a sharding spec; data_parallel
-    (replicated) tables raise PlanError, see the module docstring. The result is not
+    Every table of the task must be in the TorchRec plan, with a sharding spec (data_parallel:
+    the whole table on every rank of `task.num_devices`, as replicas). The result is not
     validated against memory here: callers that need that run `plan.validate`.
     """
     module_plan = _module_plan(task, sharding_plan, module_path)
@@ -145,10 +139,8 @@ def plan_from_torchrec(
             raise PlanError(f"table {t.name!r} is missing from the TorchRec plan")
         ps = module_plan[t.name]
         if ps.sharding_type == "data_parallel":
-            raise PlanError(
-                f"table {t.name!r}: TorchRec chose data_parallel (replicated on every rank), "
-                "which our plan format cannot represent; disallow data_parallel"
-            )
+            shards += [Shard(t.name, rank, 0, t.dim, 0, t.rows, replica=rank) for rank in range(task.num_devices)]
+            continue
         spec = ps.sharding_spec
         if spec is None or not getattr(spec, "shards", None):
             raise PlanError(f"table {t.name!r}: TorchRec {ps.sharding_type} sharding has no shard metadata")
@@ -167,78 +159,6 @@ def _placement(rank: int, device_type: str, local_world_size: int) -> str:
     return f"rank:{rank}/{device_type}"
 
 
-def _describe(shards: Sequence[Shard]) -> str:
-    return ", ".join(
-        f"rows {s.row_offset}:{s.row_offset + s.rows} cols {s.col_offset}:{s.col_offset + s.dim} on {s.device}"
-        for s in shards
-    )
-
-
-def _table_sharding(task: Task, table, shards: list[Shard], world_size: int, local_world_size: int):
-    """(sharding_type, [(row_off, col_off, rows, cols, rank)]) TorchRec can train, or PlanError."""
-    where = f"table {table.name!r}"
-    if len(shards) == 1:
-        s = shards[0]
-        return "table_wise", [(0, 0, table.rows, table.dim, s.device)]
-    full_rows = all(s.row_offset == 0 and s.rows == table.rows for s in shards)
-    full_cols = all(s.col_offset == 0 and s.dim == table.dim for s in shards)
-    if full_rows:
-        ordered = sorted(shards, key=lambda s: s.col_offset)
-        return "column_wise", [(0, s.col_offset, table.rows, s.dim, s.device) for s in ordered]
-    hosts = [
-        list(range(h * local_world_size, (h + 1) * local_world_size))
-        for h in range(world_size // local_world_size)
-    ]
-    if not full_cols:
-        return "grid_shard", _grid_pieces(table, shards, hosts)
-    ordered = sorted(shards, key=lambda s: s.row_offset)
-    candidates = [("row_wise", list(range(world_size)))]
-    if local_world_size < world_size:
-        candidates += [("table_row_wise", ranks) for ranks in hosts]
-    for kind, ranks in candidates:
-        pieces = _row_pieces(table, ordered, 0, table.dim, ranks)
-        if pieces is not None:
-            return kind, pieces
-    block = math.ceil(table.rows / world_size)
-    raise PlanError(
-        f"{where}: row split ({_describe(ordered)}) is not TorchRec's row-wise layout "
-        f"(blocks of ceil({table.rows}/{world_size}) = {block} rows on ranks 0..{world_size - 1} "
-        f"in order, or the same over the {local_world_size} ranks of one host)"
-    )
-
-
-def _row_pieces(table, ordered: Sequence[Shard], col_off: int, cols: int, ranks: list[int]):
-    """TorchRec's even row layout over `ranks` if `ordered` (by row offset) is exactly it."""
-    layout = even_row_layout(table.rows, len(ranks))
-    want = [(off, size, r) for (off, size), r in zip(layout, ranks) if size > 0]
-    if [(s.row_offset, s.rows, s.device) for s in ordered] != want:
-        return None
-    return [(off, col_off, size, cols, r) for (off, size), r in zip(layout, ranks)]
-
-
-def _grid_pieces(table, shards: Sequence[Shard], hosts: list[list[int]]):
-    """grid_shard: column slices, each row-split in TorchRec's layout over one host's ranks."""
-    groups: dict[tuple[int, int], list[Shard]] = {}
-    for s in shards:
-        groups.setdefault((s.col_offset, s.dim), []).append(s)
-    pieces = []
-    for (col_off, cols), group in sorted(groups.items()):
-        ordered = sorted(group, key=lambda s: s.row_offset)
-        found = None
-        for ranks in hosts:
-            found = _row_pieces(table, ordered, col_off, cols, ranks)
-            if found is not None:
-                break
-        if found is None:
-            raise PlanError(
-                f"table {table.name!r} is split by rows and by columns ({_describe(shards)}); TorchRec "
-                f"runs that only as grid_shard: every column slice row-split in blocks of "
-                f"ceil({table.rows}/{len(hosts[0])}) rows over the ranks of one host, in order"
-            )
-        pieces += found
-    return pieces
-
-
 def plan_to_torchrec(
     task: Task,
     plan: Plan,
@@ -248,12 +168,15 @@ def plan_to_torchrec(
     local_world_size: int | None = None,
     check: bool = True,
 ):
-    """TorchRec `ShardingPlan` for `plan`, keyed by `module_path` (the EBC's path in the model
-    DistributedModelParallel wraps; "" when the EBC itself is wrapped).
+    """TorchRec `ShardingPlan` for `plan`, keyed by `module_path`: the collection's path in the
+    model DistributedModelParallel wraps ("" only when the collection itself is wrapped; for
+    TorchRec's DLRM, "sparse_arch.embedding_bag_collection"). `embshard.EmbShardPlanner`
+    finds every collection's path itself.
 
     Args:
         world_size: ranks TorchRec runs on; defaults to `task.num_devices`.
-        device_type: "cpu" (gloo) or "cuda" (placements "rank:N/cuda:N % local_world_size").
+        device_type: "cpu" (gloo) or "cuda" (placements "rank:N/cuda:N % local_world_size");
+            the device DistributedModelParallel runs on.
         local_world_size: ranks per host; defaults to `task.devices_per_host`.
         check: run our `validate` first (coverage, alignment and memory).
 
@@ -266,13 +189,10 @@ def plan_to_torchrec(
 
     if check:
         validate(task, plan)
-    # replicas and row maps are the sequence data path's (dlrm/sequence_embedding.py): TorchRec's
-    # sharding types have no replica of a row block and would look rows up unremapped
-    replicated = sorted({s.table for s in plan.shards if s.replica})
-    if replicated or plan.row_maps:
-        what = f"table(s) {(replicated or sorted(plan.row_maps))[:3]} have {'replicas' if replicated else 'row maps'}"
-        raise PlanError(f"plan {plan.algorithm!r} cannot be exported to TorchRec: {what} "
-                        "(a sequence-table plan: train it with train.py stage=sequence_throughput)")
+    # row maps are the sequence data path's (dlrm/sequence_embedding.py): TorchRec would look rows up unremapped
+    if plan.row_maps:
+        raise PlanError(f"plan {plan.algorithm!r} cannot be exported to TorchRec: table(s) {sorted(plan.row_maps)[:3]} "
+                        "have row maps (a sequence-table plan: train it with train.py stage=sequence_throughput)")
     world_size = task.num_devices if world_size is None else world_size
     local_world_size = local_world_size or task.devices_per_host or world_size
     local_world_size = min(local_world_size, world_size)
@@ -287,19 +207,21 @@ def plan_to_torchrec(
     for t in task.tables:
         if not by_table[t.name]:
             raise PlanError(f"table {t.name!r} is not placed on any device")
-        kind, pieces = _table_sharding(task, t, by_table[t.name], world_size, local_world_size)
-        metadata = [
-            ShardMetadata(
-                shard_offsets=[row_off, col_off],
-                shard_sizes=[rows, cols],
-                placement=_placement(rank, device_type, local_world_size),
-            )
-            for row_off, col_off, rows, cols, rank in pieces
-        ]
+        kind, pieces = choose_layout(t, by_table[t.name], world_size, local_world_size)
+        spec = None
+        if kind != "data_parallel":
+            spec = EnumerableShardingSpec([
+                ShardMetadata(
+                    shard_offsets=[row_off, col_off],
+                    shard_sizes=[rows, cols],
+                    placement=_placement(rank, device_type, local_world_size),
+                )
+                for row_off, col_off, rows, cols, rank in pieces
+            ])
         module_plan[t.name] = ParameterSharding(
             sharding_type=kind,
-            compute_kernel=FUSED,
+            compute_kernel=compute_kernel(kind),
             ranks=[p[4] for p in pieces],
-            sharding_spec=EnumerableShardingSpec(metadata),
+            sharding_spec=spec,
         )
     return ShardingPlan({module_path: module_plan})
