@@ -20,6 +20,8 @@ import hashlib
 import io
 import os
 import re
+import sys
+import types
 import warnings
 import zlib
 from collections import Counter
@@ -511,3 +513,16 @@ def infeasible(table: Table, nbytes: int, free_bytes: int, device: int, short: i
         table=table.name,
         shortfall_bytes=short,
     )
+
+
+class _PlanModule(types.ModuleType):
+    """`embshard.plan(task, algorithm=...)` plans (`embshard.api.plan`), while `embshard.plan`
+    stays this module for `from embshard.plan import Plan`: one name, no shadowing."""
+
+    def __call__(self, task: Task, algorithm: Any = "neuroshard", **kwargs: Any) -> Plan:
+        from embshard.api import plan
+
+        return plan(task, algorithm, **kwargs)
+
+
+sys.modules[__name__].__class__ = _PlanModule

@@ -201,6 +201,17 @@ class Task:
         write_json_atomic(path, self.to_dict())
 
     @classmethod
+    def from_module(cls, module: Any, topology: Any, batch_size: int | None = None,
+                    constraints: dict[str, Any] | None = None, **kw: Any) -> "Task":
+        """The task a TorchRec model poses: every EmbeddingBagCollection and EmbeddingCollection
+        in `module`, on a TorchRec `Topology`, with TorchRec's per-rank `batch_size` and
+        `ParameterConstraints` by table name (`embshard.torchrec_bridge.task_from_module`,
+        which also says where each collection sits)."""
+        from embshard.torchrec_bridge import task_from_module
+
+        return task_from_module(module, topology, batch_size, constraints, **kw)[0]
+
+    @classmethod
     def load(cls, path: str | os.PathLike) -> "Task":
         return cls.from_dict(read_json(path), source=str(path))
 
