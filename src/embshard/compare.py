@@ -177,7 +177,7 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
                    pieces=pieces_per_device(task, plan), guard=guard.to_dict() if guard is not None else None,
                    search_info=dict(info) if info else None)
         )
-        if guard is not None and not needs_reduction(task):
+        if guard is not None and not needs_reduction(task):  # its pick is of the shaped task
             # the search's own pick beside the guarded one, so the model's quality stays visible
             pick = Plan(task.name, f"{name}{PICK_SUFFIX}", list(sharder.last_search_pick.shards))
             results.append(Result(task.name, pick.algorithm, valid=True, plan=pick,

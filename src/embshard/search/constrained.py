@@ -173,7 +173,7 @@ def shard_constrained(sharder, task: Task) -> Plan:
     """`sharder.shard(task)`, with the tables whose constraints leave out table_wise shaped
     first (module docstring). Raises what the search raises, with the reserved memory named
     when the search ran short."""
-    if not needs_reduction(task):
+    if not needs_reduction(task) or sharder.capabilities.made_elsewhere:
         return sharder.shard(task)
     reduction = reduce_task(task)
     plan = None
