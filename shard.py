@@ -18,7 +18,6 @@ import logging
 import shutil
 import sys
 import tempfile
-from datetime import datetime
 from pathlib import Path
 
 import hydra
@@ -68,7 +67,8 @@ def run(cfg: DictConfig) -> float | None:
                          "'algorithm' field or drop the algorithm")
     if cfg.evaluate not in EVALUATE_MODES:
         raise InputError(f"evaluate must be one of {', '.join(EVALUATE_MODES)}, got {cfg.evaluate!r}")
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else ROOT / "outputs" / "shard" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    outputs = Path(str(cfg.paths.outputs))
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else (outputs if outputs.is_absolute() else ROOT / outputs) / "shard" / str(cfg.paths.run)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"out_dir {out_dir} exists and is not a folder")
     estimating = cfg.evaluate in ("estimated", "measured")

@@ -289,3 +289,33 @@ def test_example_trains_torchrecs_dlrm_on_two_processes(tmp_path):
     task, plan = Task.load(out / "task.json"), Plan.load(out / "plan.json")
     validate(task, plan)
     assert {s.replica for s in plan.shards if s.table == "t_cat_6"} == {0, 1}
+
+
+def test_shard_py_plans_constrained_tasks_and_evaluates_plan_files(tmp_path):
+    """A task JSON with constraints is planned by shard.py's algorithms within them, and a plan
+    file made elsewhere (as EmbShardPlanner(out_dir=...) writes it) is a row of its own, taken as
+    it is (its data_parallel table not shaped twice)."""
+    task = Task.load(ROOT / "examples" / "tasks" / "constrained.json")
+    made = embshard.plan(task, algorithm="round_robin")
+    made.algorithm = "made_elsewhere"
+    made.save(tmp_path / "made.json")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "shard.py"), f"task_file={ROOT / 'examples/tasks/constrained.json'}",
+                           f"plan_files=[{tmp_path / 'made.json'}]", "algorithms=[size_lookup_greedy,neuroshard]",
+                           "evaluate=estimated", f"out_dir={out}"], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, WANDB_MODE="offline"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    rows = {r["algorithm"]: r for r in report["results"]}
+    assert set(rows) == {"size_lookup_greedy", "neuroshard", "made_elsewhere"}
+    assert all(r["valid"] and r["estimated_cost_ms"] > 0 for r in rows.values()), rows
+    for name in rows:
+        plan = Plan.load(out / "plans" / f"{name}.json")
+        validate(task, plan)
+        assert sorted(s.device for s in plan.shards if s.table == "country") == [0, 1, 2, 3]
+    assert Plan.load(out / "plans" / "made_elsewhere.json").signature() == made.signature()
+    bad = subprocess.run([sys.executable, str(ROOT / "shard.py"), f"task_file={ROOT / 'examples/tasks/small.json'}",
+                          f"plan_files=[{tmp_path / 'nope.json'}]", "algorithms=[]", "evaluate=none",
+                          f"out_dir={tmp_path / 'bad'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert not (tmp_path / "bad").exists()
