@@ -319,3 +319,13 @@ def test_shard_py_plans_constrained_tasks_and_evaluates_plan_files(tmp_path):
                           f"out_dir={tmp_path / 'bad'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: ")
     assert not (tmp_path / "bad").exists()
+
+
+def test_kernel_measurement_refuses_data_parallel_tables_it_cannot_time():
+    from embshard.hardware.evaluator import HardwareEvaluator
+
+    task = Task.load(ROOT / "examples" / "tasks" / "constrained.json")
+    plan = embshard.plan(task, algorithm="round_robin")
+    with pytest.raises(InputError, match=r"replicates pooled table\(s\) \['country'\].*hardware=dmp_cpu") as e:
+        HardwareEvaluator(comm_backend=None).measure_many(task, [plan])
+    assert "\n" not in str(e.value)
