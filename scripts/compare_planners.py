@@ -105,7 +105,29 @@ def main() -> int:
     cmd = [sys.executable, str(ROOT / "shard.py"), f"task_file={out / 'task.json'}", f"plan_files=[{','.join(files)}]",
            "algorithms=[]", "evaluate=measured", "hardware=dmp_cpu", f"out_dir={out / 'measured'}", *args.shard_args]
     print("$ " + " ".join(cmd[1:]), flush=True)
-    return subprocess.call(cmd, cwd=ROOT)
+    code = subprocess.call(cmd, cwd=ROOT)
+    if code == 0:
+        print(paired_vs_torchrec(out / "measured" / "report.json"))
+    return code
+
+
+def paired_vs_torchrec(report_path: Path) -> str:
+    """Each plan's cost / TorchRec's plan's, paired by repetition (measured in the same
+    interleaved visit), with the bootstrap 95% interval and its verdict."""
+    import json
+
+    from embshard.stats import paired_ratio_summary
+
+    results = {r["algorithm"]: r for r in json.loads(report_path.read_text())["results"] if r["valid"]}
+    ref = results["EmbeddingShardingPlanner"]["measured_device_costs"]["plan_cost_samples_ms"]
+    lines = ["paired ratio to EmbeddingShardingPlanner's plan (mean [95% CI], verdict):"]
+    for name, r in results.items():
+        samples = r["measured_device_costs"]["plan_cost_samples_ms"]
+        if name == "EmbeddingShardingPlanner" or len(samples) != len(ref):
+            continue
+        s = paired_ratio_summary([a / b for a, b in zip(samples, ref)])
+        lines.append(f"  {name}: {s.mean:.3f}x [{s.low:.3f}, {s.high:.3f}] {s.verdict}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

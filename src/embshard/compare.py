@@ -23,7 +23,7 @@ PICK_SUFFIX = "_pick"
 
 @dataclass
 class Result:
-    """One algorithm on one task: the row report.json holds (docs/usage.md, "Contracts")."""
+    """One algorithm on one task: the row report.json holds (docs/contracts.md)."""
 
     task: str
     algorithm: str

@@ -1,4 +1,4 @@
-"""Shards, plans, the one plan validator, and plan JSON (docs/usage.md, "Contracts").
+"""Shards, plans, the one plan validator, and plan JSON (docs/contracts.md).
 
 Row-level plans (FlexShard and its baselines) use two optional additions, both absent from
 older plan JSON, which stays valid and round-trips unchanged:
@@ -38,7 +38,7 @@ from embshard.tables import DIM_ALIGNMENT, Table, _is_int
 from embshard.task import Task, read_json
 
 
-#: Every key a plan JSON object may hold (docs/usage.md, "Contracts").
+#: Every key a plan JSON object may hold (docs/contracts.md).
 PLAN_FIELDS = ("task", "algorithm", "shards", "row_maps", "dedup_ids")
 
 

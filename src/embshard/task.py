@@ -1,6 +1,6 @@
 """A sharding task: tables, devices, memory per device, batch size, optimizer, topology.
 
-This module is the one place that knows the task JSON schema (docs/usage.md, "Contracts").
+This module is the one place that knows the task JSON schema (docs/contracts.md).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ OUTPUT_BYTES_PER_ELEMENT = 4
 #: device ("1 NIC per GPU" in BasicCommsBandwidths.get_bw, torchrec/distributed/planner/types.py).
 INTRA_HOST_GBPS = 600.0
 INTER_HOST_GBPS = 12.5
-#: Every key a task JSON object may hold (docs/usage.md, "Contracts").
+#: Every key a task JSON object may hold (docs/contracts.md).
 TASK_FIELDS = ("name", "num_devices", "device_memory_bytes", "batch_size", "tables", "optimizer", "devices_per_host",
                "hosts", "intra_host_gbps", "inter_host_gbps")
 #: What `_gbps` means here, as in TorchRec's constants: GiB (2**30 bytes) per second.
