@@ -259,21 +259,25 @@ def test_dmp_runs_embshard_plans_like_torchrecs_own(tmp_path):
     model with two EmbeddingBagCollections at nested paths (mixed dims, a table read by two
     features, tables constrained to data_parallel, column_wise and table_wise), planned by
     EmbShardPlanner with neuroshard and with a heuristic, and by TorchRec's own planner as the
-    control: forward equals the unsharded model's on the same weights, backward runs, the
-    constrained tables get their sharding types, collective_plan gives both ranks one plan."""
+    control; and an EmbeddingCollection (sequence tables) planned with the heuristic: forward
+    equals the unsharded model's on the same weights, backward runs, the constrained tables get
+    their sharding types, collective_plan gives both ranks one plan."""
     specs = ["embshard:neuroshard", "embshard:size_lookup_greedy", "torchrec"]
     _spawn([str(ROOT / "tests" / "_planner_worker.py"), "{rank}", "2", str(_free_port()), str(tmp_path), *specs])
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
-    assert set(r0) == {(m, s) for m in ("dlrm", "two_towers") for s in specs}
+    assert set(r0) == {(m, s) for m in ("dlrm", "two_towers") for s in specs} | {("sequences", specs[1])}
     for key in r0:
         for res in (r0[key], r1[key]):
             assert res["reference_abs"] > 0, f"{key}: all-zero reference output proves nothing"
             assert res["max_diff"] <= 1e-5, f"{key}: sharded output differs by {res['max_diff']}"
-            assert res["backward"], f"{key}: backward produced no finite gradients"
+            assert res["backward_finite"], f"{key}: backward left non-finite gradients or weights"
+        assert r0[key]["updated"] or r1[key]["updated"], f"{key}: backward did not reach the sharded tables"
         assert r0[key]["plan"] == r1[key]["plan"], f"{key}: collective_plan differs between ranks"
         kinds = {name.split("/")[1]: v[0] for name, v in r0[key]["plan"].items()}
         if key[0] == "two_towers":
             assert (kinds["u_small"], kinds["i_cw"], kinds["i_tw"]) == ("data_parallel", "column_wise", "table_wise")
+        elif key[0] == "sequences":  # an EmbeddingCollection: sequence tables
+            assert kinds == {"s0": "table_wise", "s1": "column_wise"}
         else:
             assert kinds["t3"] == "data_parallel"
 

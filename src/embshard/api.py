@@ -78,11 +78,13 @@ def hardware(name: str = "fbgemm_cpu", measure: str = "cpu", seed: int = 0) -> A
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    for group, value in (("hardware", name), ("measure", measure)):
-        if not (CONF / group / f"{value}.yaml").is_file():
-            options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-            raise InputError(f"unknown {group} {value!r}; known: {', '.join(options)}")
-    root = _config("hardware", name, seed=seed, progress=False, measure=OmegaConf.load(CONF / "measure" / f"{measure}.yaml"))
+    from embshard.hardware.protocol import load_protocol
+
+    if not (CONF / "hardware" / f"{name}.yaml").is_file():
+        options = sorted(p.stem for p in (CONF / "hardware").glob("*.yaml"))
+        raise InputError(f"unknown hardware {name!r}; known: {', '.join(options)}")
+    protocol = load_protocol(measure).to_dict()  # its `defaults` chain resolved
+    root = _config("hardware", name, seed=seed, progress=False, measure=OmegaConf.create(protocol))
     return instantiate(root.node)
 
 
