@@ -224,8 +224,6 @@ def piece_table(table: Table, shard: Shard, copies: int = 1) -> Table:
         reuse_histogram=table.reuse_histogram,
         bytes_per_element=table.bytes_per_element,
         trace=table.trace,
-        kind=table.kind,
-        num_poolings=table.num_poolings,
     )
 
 
