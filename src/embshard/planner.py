@@ -72,7 +72,9 @@ class EmbShardPlanner(ShardingPlanner):
             dreamshard, autoshard, torchrec, or a heuristic (size_lookup_greedy, lookup_greedy,
             dim_greedy, size_greedy, round_robin, random, ...).
         storage_reservation: share of each device's memory not given to embeddings (TorchRec's
-            default 0.15).
+            default 0.15), or a TorchRec `FixedPercentageStorageReservation` /
+            `HeuristicalStorageReservation`, whose percentage is taken (Heuristical's estimate
+            of the dense model's size is not).
         out_dir: where each `plan` writes `task.json` and `plan.json` (None: nowhere).
         hardware: conf/hardware/ name of an evaluator for a searcher that measures candidates
             (NeuroShard's guard with `verify=K`); None: nothing is measured.
@@ -89,7 +91,7 @@ class EmbShardPlanner(ShardingPlanner):
         batch_size: Optional[int] = None,
         constraints: Optional[Dict[str, ParameterConstraints]] = None,
         algorithm: str = "neuroshard",
-        storage_reservation: float = STORAGE_RESERVATION,
+        storage_reservation: Any = STORAGE_RESERVATION,
         out_dir: Optional[str | Path] = None,
         hardware: Optional[str] = None,
         cost_model: Optional[str] = "neural",
@@ -108,7 +110,8 @@ class EmbShardPlanner(ShardingPlanner):
         self._batch_size = batch_size
         self._constraints = dict(constraints or {})
         self.algorithm = algorithm
-        self.storage_reservation = storage_reservation
+        # a TorchRec StorageReservation object keeps its share in `_percentage`
+        self.storage_reservation = float(getattr(storage_reservation, "_percentage", storage_reservation))
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.cost_model = cost_model
         self.debug = debug
