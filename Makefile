@@ -8,14 +8,14 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard rl-checkpoints rl-eval rl-ablation rl-bench
+.PHONY: demo test venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard rl-checkpoints rl-eval rl-ablation rl-bench compare-planners planner-bench
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# CPU stack verified together (DEVELOPERS.md): torch 2.13.0 + fbgemm-gpu-cpu 1.8.0,
+	# CPU stack verified together (docs/development.md): torch 2.13.0 + fbgemm-gpu-cpu 1.8.0,
 	# torchrec 1.8.0 without its declared CUDA fbgemm-gpu dependency.
 	$(PY) -m pip install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0
 	$(PY) -m pip install -q --no-deps torchrec==1.8.0
@@ -218,3 +218,14 @@ flexshard: $(STAMP)
 	done
 	$(PY) scripts/bench_flexshard_planning.py
 	$(TORCHRUN4) train.py stage=sequence_throughput experiment=flexshard_e2e out_dir=$(FS)/e2e
+
+# The drop-in planner (docs/torchrec.md): one TorchRec module (24 tables of the synthetic pool, 2 of
+# them constrained to data_parallel, 2 CPU ranks) planned by TorchRec's EmbeddingShardingPlanner
+# and by EmbShardPlanner (neuroshard, size_lookup_greedy); shard.py measures the three plans as
+# TorchRec's DMP embedding step (hardware=dmp_cpu), interleaved. About 3 min here.
+compare-planners: $(STAMP)
+	$(PY) scripts/compare_planners.py --out experiments/compare_planners
+
+# EmbShardPlanner.plan on an 856-table module for 128 ranks (meta device): seconds per algorithm.
+planner-bench: $(STAMP)
+	$(PY) scripts/bench_embshard_planner.py --algorithms neuroshard,autoshard,dreamshard,size_lookup_greedy

@@ -1,6 +1,7 @@
 """Plan one or many tasks with one or many algorithms, evaluate the plans, report.
 
     python shard.py task_file=PATH algorithms=[size_greedy,torchrec] evaluate=measured out_dir=DIR
+    python shard.py task_file=PATH plan_files=[A.json,B.json] algorithms=[] evaluate=measured   # plans made elsewhere
 
 Writes DIR/report.json, DIR/plans/<algorithm>.json (DIR/plans/<task>/<algorithm>.json when
 there are several tasks), DIR/measured_cost.png and DIR/config.yaml (the resolved config).
@@ -17,7 +18,6 @@ import logging
 import shutil
 import sys
 import tempfile
-from datetime import datetime
 from pathlib import Path
 
 import hydra
@@ -59,10 +59,16 @@ def run(cfg: DictConfig) -> float | None:
     from embshard.task import load_tasks
 
     # Everything a user can get wrong is checked before anything is written.
-    algorithms = _algorithms(cfg)
+    file_sharders = _plan_files(cfg)
+    algorithms = _algorithms(cfg, allow_none=bool(file_sharders))
+    taken = [n for n in file_sharders if n in algorithms]
+    if taken:
+        raise InputError(f"plan file(s) named {taken} clash with algorithms of the same name; rename their "
+                         "'algorithm' field or drop the algorithm")
     if cfg.evaluate not in EVALUATE_MODES:
         raise InputError(f"evaluate must be one of {', '.join(EVALUATE_MODES)}, got {cfg.evaluate!r}")
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else ROOT / "outputs" / "shard" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    outputs = Path(str(cfg.paths.outputs))
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else (outputs if outputs.is_absolute() else ROOT / outputs) / "shard" / str(cfg.paths.run)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"out_dir {out_dir} exists and is not a folder")
     estimating = cfg.evaluate in ("estimated", "measured")
@@ -84,6 +90,7 @@ def run(cfg: DictConfig) -> float | None:
         probe = evaluator.session_probe() if evaluator is not None else None
         with use_probe(probe):
             sharders = {name: instantiate(cfg.searchers[name]) for name in algorithms}
+            sharders.update(file_sharders)  # plans made elsewhere, compared on the same footing
             # what every known algorithm is meant for, read off its class: infeasibility hints name them
             catalogue = {name: get_class(cfg.searchers[name]._target_).capabilities for name in cfg.searchers}
             cost_model = instantiate(cfg.cost_model) if estimating else None
@@ -139,8 +146,25 @@ def run(cfg: DictConfig) -> float | None:
     return summary[0].get(f"mean_{metric}") if cfg.evaluate != "none" else None
 
 
-def _algorithms(cfg: DictConfig) -> list[str]:
-    """The algorithms to run: `algorithm=X` (one) or `algorithms=[X,Y]`, each known by name."""
+def _plan_files(cfg: DictConfig) -> dict:
+    """`plan_files=[A.json,B.json]`: plans made elsewhere, each a row named by its `algorithm`
+    (or, when two share one, by its file name)."""
+    from embshard.search.plan_file import PlanFileSharder
+
+    out: dict = {}
+    for path in cfg.get("plan_files") or []:
+        sharder = PlanFileSharder(str(path))
+        name = sharder.name if sharder.name not in out else Path(str(path)).stem
+        if name in out:
+            raise InputError(f"plan_files: two files are both named {name!r}")
+        sharder.name = name
+        out[name] = sharder
+    return out
+
+
+def _algorithms(cfg: DictConfig, allow_none: bool = False) -> list[str]:
+    """The algorithms to run: `algorithm=X` (one) or `algorithms=[X,Y]`, each known by name
+    (none at all only beside plan_files)."""
     if cfg.algorithm is not None:
         if cfg.algorithms != OmegaConf.load(ROOT / "conf" / "shard.yaml").algorithms:
             raise InputError("set algorithm=X (one) or algorithms=[X,Y] (several), not both")
@@ -150,7 +174,7 @@ def _algorithms(cfg: DictConfig) -> list[str]:
     else:
         algorithms = list(cfg.algorithms)
     unknown = [a for a in algorithms if a not in cfg.searchers]
-    if unknown or not algorithms:
+    if unknown or not (algorithms or allow_none):
         near = [m for a in unknown for m in difflib.get_close_matches(a, list(cfg.searchers), n=1)]
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
         raise InputError(f"unknown algorithm(s) {unknown or algorithms}{hint}; known: {', '.join(cfg.searchers)}")

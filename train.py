@@ -15,26 +15,25 @@ pre-training, and end-to-end DLRM training under sharding plans.
     python train.py stage=sequence_task experiment=flexshard_e2e out_dir=DIR  # FlexShard: a sequence task
     torchrun --nproc_per_node 4 train.py stage=sequence_throughput experiment=flexshard_e2e  # sequence DLRM per plan
 
-Every run writes its resolved config (config.yaml) beside its outputs.
+Each stage is a config, conf/stage/<name>.yaml: `_target_` names its function
+(src/embshard/stages.py) and `reads` the keys it takes, which is all it is given;
+`python train.py stage=X --cfg job` shows them. Output folders: out_dir=DIR, else the `paths`
+group (conf/paths/default.yaml). Every run writes its resolved config (config.yaml) beside
+its outputs.
 """
 
 from __future__ import annotations
 
-import logging
-from datetime import datetime
-from functools import partial
+import difflib
+import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from embshard.cli import one_line_errors, refuse_unknown_keys
-from embshard.errors import InputError
 
-log = logging.getLogger("train")
 ROOT = Path(__file__).resolve().parent
-STAGES = ("synthetic", "pool", "tasks", "collect", "pretrain", "refine", "rl", "dlrm_task", "dlrm", "throughput",
-          "sequence_task", "sequence_throughput")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -43,192 +42,27 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def run(cfg: DictConfig) -> float | None:
-    from embshard.io import write_text_atomic
+    """Run the stage `cfg.stage` names on the part of the config it reads."""
+    from hydra.utils import get_method
 
-    if cfg.stage not in STAGES:
-        raise InputError(f"unknown stage {cfg.stage!r}; choose from {', '.join(STAGES)}")
-    if cfg.stage in ("dlrm", "throughput"):
-        return run_end_to_end(cfg)
-    if cfg.stage == "sequence_task":  # FlexShard: dlrm/sequence_stages.py
-        from dlrm.sequence_stages import run_sequence_task
+    from embshard.stages import stage_view
 
-        return run_sequence_task(cfg, ROOT)
-    if cfg.stage == "sequence_throughput":
-        from hydra.utils import instantiate
-
-        from dlrm.sequence_stages import run_sequence_throughput
-
-        return run_sequence_throughput(cfg, lambda name: instantiate(cfg.searchers[name]), list(cfg.searchers),
-                                       ROOT / "outputs" / "train" / cfg.stage, ROOT)
-    if cfg.stage == "dlrm_task":  # the end-to-end task alone, e.g. to plan it with shard.py first
-        from dlrm.stages import load_task
-
-        out = Path(cfg.out_dir) if cfg.out_dir else ROOT / "outputs" / "train" / "dlrm_task"
-        task = load_task(cfg.dlrm, partial(dataset_path, cfg.dataset), cfg.seed, local_rank=0)
-        task.save(out / "task.json")
-        write_text_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-        print(f"task {task.name}: {len(task.tables)} tables, {task.num_devices} devices -> {out / 'task.json'}")
-        return None
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else ROOT / "outputs" / "train" / cfg.stage / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    result = None
-    if cfg.stage == "rl":  # DreamShard / AutoShard policies (src/embshard/search/rl/stage.py)
-        from embshard.search.rl.stage import run_from_config
-
-        result = run_from_config(cfg, partial(dataset_path, cfg.dataset), out_dir)
-    elif cfg.stage == "pretrain":
-        from embshard.costs.pretrain import pretrain
-
-        if not cfg.get("data_dir"):
-            raise InputError("stage=pretrain needs data_dir=<folder with compute.jsonl, comm.jsonl, profile.json>")
-        result = pretrain(cfg.cost_model, cfg.data_dir, out_dir)
-        log.info("objective %.4f", result)
-    elif cfg.stage == "refine":
-        run_refine(cfg, out_dir)
-    elif cfg.stage == "tasks" and cfg.task.kind == "user":  # generated tables: no dataset needed
-        from embshard.data.tasks import user_tasks
-
-        t = OmegaConf.to_container(cfg.task, resolve=True)
-        tasks = user_tasks(t["num_tasks"], seed=cfg.seed, min_tables=t["min_tables"], max_tables=t["max_tables"],
-                           num_devices=t["num_devices"], batch_sizes=t["batch_sizes"], memory_slack=t["memory_slack"],
-                           optimizer=t["optimizer"], name_prefix=t["name_prefix"], cycle=t["cycle"], out_dir=out_dir,
-                           max_lookups_per_device=t.get("max_lookups_per_device"), **t["tables"])
-        log.info("%d user-style tasks -> %s", len(tasks), out_dir)
-    else:
-        dataset = dataset_path(cfg.dataset)
-        if cfg.stage == "synthetic":
-            log.info("synthetic dataset at %s", dataset)
-        elif cfg.stage == "pool":
-            from embshard.data.tasks import table_pool_from_dataset
-
-            pool = table_pool_from_dataset(dataset, out_dir / "table_pool.json", hash_sizes=cfg.dataset.get("hash_sizes"))
-            log.info("%d tables -> %s", len(pool), out_dir / "table_pool.json")
-        elif cfg.stage == "collect":
-            collect_cost_data(cfg, dataset, out_dir)
-        else:
-            make_tasks(cfg, dataset, out_dir)
-    if _is_rank_zero():
-        write_text_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-        print(f"wrote {out_dir}")
-    return result
+    return get_method(cfg.stage._target_)(stage_view(cfg))
 
 
-def _is_rank_zero() -> bool:
-    from embshard.costs.collect import rank_info  # the one reader of torchrun's environment
-
-    return rank_info()[0] == 0
-
-
-def collect_cost_data(cfg: DictConfig, dataset: Path, out_dir: Path) -> None:
-    """Measure this rank's share of cost samples (resumable), then merge on rank 0."""
-    from embshard.costs.collect import collect, merge
-
-    c = OmegaConf.to_container(cfg.collect, resolve=True)
-    from embshard.costs.collect import wait_for_ranks
-
-    done = collect(c, out_dir, pool=c.get("pool") or dataset)
-    log.info("rank %d: %s new chunks, %s skipped (already on disk)", done.rank, done.new_chunks, done.skipped_chunks)
-    wait_for_ranks(done)  # under torchrun: every rank has finished its chunks
-    if done.rank == 0:
-        merged = merge(out_dir)
-        log.info("merged: %s", merged)
-
-
-def run_refine(cfg: DictConfig, out_dir: Path) -> None:
-    """stage=refine: measure what the search proposes, re-train (embshard.costs.refine)."""
-    from hydra.utils import instantiate
-
-    from embshard.costs.refine import refine
-    from embshard.data.tasks import user_tasks
-
-    r = cfg.refine
-    unknown = [a for a in r.algorithms if a not in cfg.searchers]
-    if unknown or "neuroshard" not in r.algorithms:
-        raise InputError(f"refine.algorithms must include neuroshard and name known planners; unknown: {unknown}")
-    t = OmegaConf.to_container(r.tasks, resolve=True)
-    if t.get("kind") != "user":
-        raise InputError(f"refine.tasks must be user-style tasks (task kind 'user'), got {t.get('kind')!r}")
-
-    def make_tasks(k: int):
-        return user_tasks(t["num_tasks"], seed=int(cfg.seed) * 1000 + k, min_tables=t["min_tables"],
-                          max_tables=t["max_tables"], num_devices=t["num_devices"], batch_sizes=t["batch_sizes"],
-                          memory_slack=t["memory_slack"], optimizer=t["optimizer"], name_prefix=f"refine{k}",
-                          cycle=t["cycle"], max_lookups_per_device=t.get("max_lookups_per_device"), **t["tables"])
-
-    def make_sharders(checkpoint: Path):
-        # NeuroShard against the round's models, without the guard: the loop scores its own pick
-        return {a: instantiate(cfg.searchers[a], **({"checkpoint": str(checkpoint), "verify": 0}
-                                                     if a == "neuroshard" else {})) for a in r.algorithms}
-
-    evaluator = instantiate(cfg.hardware)
-    summary = refine(OmegaConf.to_container(r, resolve=True), cfg.cost_model, make_tasks, make_sharders, evaluator,
-                     out_dir)
-    log.info("refine: %d round(s), converged=%s, final models %s", len(summary["rounds"]), summary["converged"],
-             summary["final"])
-
-
-def run_end_to_end(cfg: DictConfig) -> float:
-    """stage=dlrm / stage=throughput (dlrm/stages.py); the run writes its own config.yaml."""
-    from hydra.utils import instantiate
-
-    from dlrm.stages import run_dlrm, run_throughput
-
-    kw = dict(
-        dataset_path=partial(dataset_path, cfg.dataset),
-        make_sharder=lambda name: instantiate(cfg.searchers[name]),
-        known_planners=list(cfg.searchers),
-        default_root=ROOT / "outputs" / "train" / cfg.stage,
-    )
-    return (run_dlrm if cfg.stage == "dlrm" else run_throughput)(cfg, **kw)
-
-
-def dataset_path(ds: DictConfig, generate: bool = True) -> Path:
-    """The dataset file; a synthetic one is generated on first use (FileNotFoundError
-    instead when `generate` is false)."""
-    if ds.kind == "synthetic":
-        path = ROOT / ds.path if not Path(ds.path).is_absolute() else Path(ds.path)
-        if not path.is_file() and not generate:
-            raise FileNotFoundError(path)
-        if not path.is_file():
-            from embshard.data.synthetic import generate_synthetic
-
-            log.info("generating %s", path)
-            generate_synthetic(path, num_tables=ds.num_tables, batch_size=ds.batch_size, seed=ds.seed, scale=ds.scale)
-        return path
-    if ds.path is None or not Path(ds.path).is_file():
-        raise InputError(f"dataset file {ds.path!r} not found (set dataset.path=...)")
-    return Path(ds.path)
-
-
-def make_tasks(cfg: DictConfig, dataset: Path, out_dir: Path) -> None:
-    from embshard.data.tasks import dreamshard_tasks, neuroshard_tasks, table_pool_from_dataset
-
-    t = cfg.task
-    pool = table_pool_from_dataset(dataset, hash_sizes=cfg.dataset.get("hash_sizes"))
-    common = dict(
-        min_tables=t.min_tables,
-        max_tables=t.max_tables,
-        dims=list(t.dims),
-        max_total_bytes=t.max_total_bytes,
-        num_devices=t.num_devices,
-        device_memory_bytes=t.device_memory_bytes,
-        batch_size=t.batch_size,
-        optimizer=t.optimizer,
-    )
-    if t.kind == "neuroshard":
-        tasks = neuroshard_tasks(pool, t.num_tasks, seed=cfg.seed, out_dir=out_dir, **common)
-        log.info("%d NeuroShard-style tasks -> %s", len(tasks), out_dir)
-    elif t.kind == "dreamshard":
-        out = dreamshard_tasks(
-            pool, out_dir, num_train_tasks=t.num_train_tasks, num_test_tasks=t.num_test_tasks,
-            test_fraction=t.test_fraction, seed=cfg.seed, **common,
-        )
-        log.info("%d train / %d test DreamShard-style tasks -> %s", len(out["train"]), len(out["test"]), out_dir)
-    else:
-        raise InputError(f"unknown task kind {t.kind!r}; choose neuroshard, dreamshard or user")
+def refuse_unknown_stage(argv: list[str]) -> None:
+    """`stage=X` with no conf/stage/X.yaml: one line and exit 2 (Hydra's own message is a page)."""
+    known = sorted(p.stem for p in (ROOT / "conf" / "stage").glob("*.yaml"))
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+~") == "stage" and value not in known:
+            near = difflib.get_close_matches(value, known, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            print(f"error: unknown stage {value!r}{hint}; choose from {', '.join(known)}", file=sys.stderr)
+            sys.exit(2)
 
 
 if __name__ == "__main__":
-    import sys
-
+    refuse_unknown_stage(sys.argv[1:])
     refuse_unknown_keys(sys.argv[1:], ROOT / "conf", "train", "train.py")
     main()

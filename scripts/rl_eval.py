@@ -162,7 +162,7 @@ def markdown(summary: dict) -> str:
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
     extra = sorted({m["run"] for s in settings for m in summary[s].values() if "run" in m})
     if extra:
-        lines += ["", f"† measured in a separate pass ({', '.join(extra)}) on the same tasks with the six heuristics: "
+        lines += ["", f"† measured in a separate pass (`--extra {' '.join(extra)}`) on the same tasks with the six heuristics: "
                   "its ratio is to the best heuristic of that pass; its ms are not comparable with the other rows "
                   "(another time on a shared machine)."]
     lines += ["", "mean search seconds per task", "", "| algorithm | " + " | ".join(settings) + " |",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from embshard import InputError, Plan, PlanError, Table, Task
+from embshard import InputError, Plan, PlanError, Shard, Table, Task
 from embshard.flexshard.baselines import DataParallelSharder
 from embshard.search.neuroshard import NeuroShardSharder
 
@@ -253,13 +253,20 @@ def test_pooled_planners_refuse_sequence_tables_and_sequence_ones_take_mixed_tas
     assert all(by[n]["valid"] for n in ("table_wise", "row_wise", "flexshard"))
 
 
-def test_torchrec_export_refuses_a_replicated_plan_in_one_line():
+def test_torchrec_export_of_replicas_is_data_parallel_or_one_line():
+    """Every table on every rank is TorchRec's data_parallel; replicas on some ranks only have no
+    TorchRec equivalent: one line naming the table."""
     from embshard.torchrec_bridge import plan_to_torchrec
 
     task = pooled_task()
+    exported = plan_to_torchrec(task, DataParallelSharder().shard(task))
+    assert {ps.sharding_type for ps in exported.plan[""].values()} == {"data_parallel"}
+    task = pooled_task(devices=3)
+    t = task.tables[0]
+    partial = Plan(task.name, "x", [Shard.whole(x, 0) for x in task.tables] + [Shard(t.name, 1, 0, t.dim, 0, t.rows, replica=1)])
     with pytest.raises(PlanError) as e:
-        plan_to_torchrec(task, DataParallelSharder().shard(task))
-    assert "cannot be exported to TorchRec" in str(e.value) and "replicas" in str(e.value)
+        plan_to_torchrec(task, partial)
+    assert f"table {t.name!r}" in str(e.value) and "data_parallel" in str(e.value) and "\n" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------- 6. estimates say whose

@@ -279,9 +279,9 @@ def test_dmp_step_refuses_a_plan_torchrec_cannot_train_before_spawning():
 
     t = Table("t0", 100, 8, 1.0)
     task = Task("x", 2, 1 << 30, 64, (t,))
-    replicated = Plan(task.name, "dp", [Shard.whole(t, 0), Shard(t.name, 1, 0, 8, 0, 100, replica=1)])
-    with pytest.raises(PlanError):
-        measure_dmp_steps(task, [replicated])
+    uneven = Plan(task.name, "uneven", [Shard(t.name, 0, 0, 8, 0, 30), Shard(t.name, 1, 0, 8, 30, 70)])  # not TorchRec's row layout
+    with pytest.raises(PlanError, match="row split"):
+        measure_dmp_steps(task, [uneven])
 
 
 # ----------------------------------------------------------------------------- estimates at the speed measured

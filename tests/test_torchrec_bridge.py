@@ -170,7 +170,9 @@ def test_export_validates_first():
         plan_to_torchrec(task, plan)
 
 
-def test_import_rejects_data_parallel_and_missing_tables():
+def test_import_data_parallel_as_replicas_and_rejects_missing_tables():
+    """data_parallel imports as the whole table on every rank (replicas, counted in memory on
+    each) and exports back as data_parallel with TorchRec's dense kernel."""
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, table_wise
 
     task = _task()
@@ -178,11 +180,31 @@ def test_import_rejects_data_parallel_and_missing_tables():
     gens = {t.name: table_wise(rank=0) for t in task.tables}
     gens["cw"] = data_parallel()
     mp = construct_module_sharding_plan(ebc, gens, local_size=2, world_size=2, device_type="cpu")
-    with pytest.raises(PlanError, match="'cw'.*data_parallel"):
-        plan_from_torchrec(task, {"": mp})
+    plan = plan_from_torchrec(task, {"": mp})
+    validate(task, plan)
+    cw = sorted((s.device, s.replica, s.rows, s.dim) for s in plan.shards if s.table == "cw")
+    assert cw == [(0, 0, 40, 24), (1, 1, 40, 24)]
+    one_copy = task.shard_memory_bytes(task.table("cw"), 40, 24, copies=2)
+    alone = Plan(task.name, "x", [s for s in plan.shards if s.table == "cw"])
+    assert alone.memory_bytes(task) == [one_copy, one_copy]
+    assert alone.device_widths(2) == [0, 0]  # replicas pool their own samples: no all-to-all
+    back = plan_to_torchrec(task, plan)
+    assert back.plan[""]["cw"].sharding_type == "data_parallel"
+    assert back.plan[""]["cw"].compute_kernel == "dense" and back.plan[""]["cw"].ranks == [0, 1]
     del mp["cw"]
     with pytest.raises(PlanError, match="'cw' is missing"):
         plan_from_torchrec(task, {"": mp})
+
+
+def test_export_rejects_replicas_on_some_ranks_only():
+    task = _task(num_devices=3)
+    shards = [Shard(t.name, 0, 0, t.dim, 0, t.rows) for t in task.tables]
+    shards.append(Shard("cw", 1, 0, 24, 0, 40, replica=1))  # on ranks 0 and 1 of 3
+    plan = Plan(task.name, "x", shards)
+    validate(task, plan)
+    with pytest.raises(PlanError, match="'cw'.*data_parallel") as e:
+        plan_to_torchrec(task, plan)
+    assert "\n" not in str(e.value)
 
 
 def test_import_torchrec_helper_plans():
@@ -233,8 +255,9 @@ def test_torchrec_planner_restricted_types_and_cpu():
     plan = TorchRecPlanner(sharding_types=("table_wise",), compute_device="cpu").shard(task)
     validate(task, plan)
     assert len(plan.shards) == len(task.tables)
-    with pytest.raises(PlanError, match="data_parallel"):
-        TorchRecPlanner(sharding_types=("table_wise", "data_parallel"))
+    dp = TorchRecPlanner(sharding_types=("data_parallel",), compute_device="cpu").shard(task)
+    validate(task, dp)
+    assert {s.replica for s in dp.shards} == {0, 1} and len(dp.shards) == 2 * len(task.tables)
 
 
 def test_torchrec_planner_tight_memory_stays_within_our_model():

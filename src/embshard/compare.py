@@ -11,6 +11,7 @@ from embshard.costs.base import CostModel, DeviceCosts
 from embshard.errors import EmbshardError, InfeasibleError
 from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities, Sharder
+from embshard.search.constrained import needs_reduction, shard_constrained
 from embshard.task import Task
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ PICK_SUFFIX = "_pick"
 
 @dataclass
 class Result:
-    """One algorithm on one task: the row report.json holds (docs/usage.md, "Contracts")."""
+    """One algorithm on one task: the row report.json holds (docs/contracts.md)."""
 
     task: str
     algorithm: str
@@ -158,7 +159,8 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
             continue
         start = time.perf_counter()
         try:
-            plan = sharder.shard(task)
+            # tables whose sharding_types leave out table_wise are shaped first (search/constrained.py)
+            plan = shard_constrained(sharder, task)
             seconds = time.perf_counter() - start
             plan.algorithm = name
             validate(task, plan)
@@ -179,7 +181,7 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
                    pieces=pieces_per_device(task, plan), guard=guard.to_dict() if guard is not None else None,
                    search_info=dict(info) if info else None)
         )
-        if guard is not None:
+        if guard is not None and not needs_reduction(task):  # its pick is of the shaped task
             # the search's own pick beside the guarded one, so the model's quality stays visible
             pick = Plan(task.name, f"{name}{PICK_SUFFIX}", list(sharder.last_search_pick.shards))
             results.append(Result(task.name, pick.algorithm, valid=True, plan=pick,

@@ -1,4 +1,4 @@
-"""Shards, plans, the one plan validator, and plan JSON (docs/usage.md, "Contracts").
+"""Shards, plans, the one plan validator, and plan JSON (docs/contracts.md).
 
 Row-level plans (FlexShard and its baselines) use two optional additions, both absent from
 older plan JSON, which stays valid and round-trips unchanged:
@@ -18,9 +18,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import math
 import os
 import re
+import sys
+import types
 import warnings
 import zlib
 from collections import Counter
@@ -32,11 +33,12 @@ import numpy as np
 
 from embshard.errors import InfeasibleError, InputError, PlanError, check_keys
 from embshard.io import atomic_path, write_json_atomic
+from embshard.layouts import check_min_partition, choose_layout, even_row_layout  # noqa: F401 (re-exported)
 from embshard.tables import DIM_ALIGNMENT, Table, _is_int
 from embshard.task import Task, read_json
 
 
-#: Every key a plan JSON object may hold (docs/usage.md, "Contracts").
+#: Every key a plan JSON object may hold (docs/contracts.md).
 PLAN_FIELDS = ("task", "algorithm", "shards", "row_maps", "dedup_ids")
 
 
@@ -99,10 +101,13 @@ class Plan:
         return [s for s in self.shards if s.device == device]
 
     def device_widths(self, num_devices: int) -> list[int]:
-        """Sum of shard widths per device: the pooled-embedding columns each device sends."""
+        """Sum of shard widths per device: the pooled-embedding columns each device sends.
+        Replicated tables (data-parallel) send nothing: each copy pools its own samples."""
+        replicated = {s.table for s in self.shards if s.replica}
         widths = [0] * num_devices
         for s in self.shards:
-            widths[s.device] += s.dim
+            if s.table not in replicated:
+                widths[s.device] += s.dim
         return widths
 
     def memory_bytes(self, task: Task) -> list[int]:
@@ -206,31 +211,21 @@ def _load_row_maps(spec: Any, source: str, base_dir: Path) -> dict[str, np.ndarr
     return out
 
 
-def even_row_layout(rows: int, parts: int) -> list[tuple[int, int]]:
-    """TorchRec's row-wise layout: (offset, size) per rank, blocks of ceil(rows/parts) (the
-    last ones may be short or empty)."""
-    block = math.ceil(rows / parts)
-    out = []
-    for i in range(parts):
-        start = min(i * block, rows)
-        out.append((start, min(block, rows - start)))
-    return out
-
-
-def piece_table(table: Table, shard: Shard) -> Table:
+def piece_table(table: Table, shard: Shard, copies: int = 1) -> Table:
     """The Table a cost model sees for one shard: the piece's rows × dim; a row slice also
     gets the matching share of the pooling factor (the kernels feed it only the lookups that
     fall in its rows) and keeps the table's reuse histogram (hot rows are scattered over the
-    row ids, so a slice's rows are reused like the table's)."""
-    if shard.rows == table.rows and shard.dim == table.dim:
+    row ids, so a slice's rows are reused like the table's). A piece held in `copies` replicas
+    (data-parallel) looks up 1/copies of the batch on each: that share of the pooling factor."""
+    if shard.rows == table.rows and shard.dim == table.dim and copies == 1:
         return table
-    if shard.rows == table.rows:
+    if shard.rows == table.rows and copies == 1:
         return table.with_dim(shard.dim)
     return Table(
         name=table.name,
         rows=shard.rows,
         dim=shard.dim,
-        pooling_factor=table.pooling_factor * shard.rows / table.rows,
+        pooling_factor=table.pooling_factor * shard.rows / table.rows / copies,
         reuse_histogram=table.reuse_histogram,
         bytes_per_element=table.bytes_per_element,
         trace=table.trace,
@@ -240,9 +235,10 @@ def piece_table(table: Table, shard: Shard) -> Table:
 def device_pieces(task: Task, plan: Plan) -> list[list[Table]]:
     """Each device's piece Tables under `plan` (see `piece_table`)."""
     tables = task.table_by_name
+    copies = Counter(s.rectangle for s in plan.shards)
     per_device: list[list[Table]] = [[] for _ in range(task.num_devices)]
     for s in plan.shards:
-        per_device[s.device].append(piece_table(tables[s.table], s))
+        per_device[s.device].append(piece_table(tables[s.table], s, copies[s.rectangle]))
     return per_device
 
 
@@ -253,8 +249,10 @@ def validate(task: Task, plan: Plan) -> None:
     widths are multiples of 4; every table's rows × columns are covered exactly once by its
     replica-0 shards; every shard with replica k >= 1 copies a replica-0 rectangle of the same
     table onto another device, and no rectangle has two copies with the same replica index or
-    on the same device; row maps hold distinct row ids of their table; every device's memory
-    (weights + optimizer state + I/O, replicas included) fits its budget.
+    on the same device; row maps hold distinct row ids of their table; a table with
+    `sharding_types` is sharded in one of them (`embshard.layouts`) and one with `min_partition`
+    has no narrower column piece; every device's memory (weights + optimizer state + I/O,
+    replicas included) fits its budget.
     """
     if plan.task != task.name:
         raise PlanError(f"plan is for task {plan.task!r}, not {task.name!r}")
@@ -286,6 +284,10 @@ def validate(task: Task, plan: Plan) -> None:
             raise PlanError(f"table {name!r} is not placed on any device")
         _check_exact_cover(t, primary)
         _check_replicas(t, shards)
+        if t.sharding_types is not None:  # the table's TorchRec constraint (embshard.layouts)
+            choose_layout(t, shards, task.num_devices, task.devices_per_host or task.num_devices)
+        if t.min_partition is not None:
+            check_min_partition(t, primary)
     for name, ids in plan.row_maps.items():
         if name not in tables:
             raise PlanError(f"row map names table {name!r}, which task {task.name!r} does not have")
@@ -514,3 +516,16 @@ def infeasible(table: Table, nbytes: int, free_bytes: int, device: int, short: i
         table=table.name,
         shortfall_bytes=short,
     )
+
+
+class _PlanModule(types.ModuleType):
+    """`embshard.plan(task, algorithm=...)` plans (`embshard.api.plan`), while `embshard.plan`
+    stays this module for `from embshard.plan import Plan`: one name, no shadowing."""
+
+    def __call__(self, task: Task, algorithm: Any = "neuroshard", **kwargs: Any) -> Plan:
+        from embshard.api import plan
+
+        return plan(task, algorithm, **kwargs)
+
+
+sys.modules[__name__].__class__ = _PlanModule

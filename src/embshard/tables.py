@@ -19,8 +19,13 @@ MIN_ROWS = 100
 #: Table kinds: "pooled" (an EmbeddingBag: one vector per bag) or "sequence" (unpooled, TorchRec's
 #: EmbeddingCollection: every id yields its own vector; pooling_factor is then the mean sequence length).
 TABLE_KINDS = ("pooled", "sequence")
+#: TorchRec's sharding types (torchrec.distributed.types.ShardingType values): what a table's
+#: `sharding_types` constraint may name.
+SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise",
+                  "grid_shard")
 #: Every key a table JSON object may hold.
-TABLE_FIELDS = ("name", "rows", "dim", "pooling_factor", "reuse_histogram", "bytes_per_element", "trace", "kind")
+TABLE_FIELDS = ("name", "rows", "dim", "pooling_factor", "reuse_histogram", "bytes_per_element", "trace", "kind",
+                "num_poolings", "sharding_types", "min_partition")
 
 
 def reuse_bin(access_counts: np.ndarray) -> np.ndarray:
@@ -67,6 +72,15 @@ class Table:
         bytes_per_element: 4 for fp32 weights, 2 for fp16.
         trace: optional reference to real indices for this table.
         kind: "pooled" (default) or "sequence" (unpooled; `pooling_factor` = mean sequence length).
+        num_poolings: pooled outputs (bags) per sample: one per feature that reads the table
+            (TorchRec's `num_poolings`, summed over its features). `pooling_factor` then counts
+            the lookups of all its bags per sample. Memory counts every output; the cost models
+            and kernel measurements see one bag of all the lookups (docs/contracts.md).
+        sharding_types: the TorchRec sharding types a plan may use for this table (a
+            `ParameterConstraints.sharding_types`); None: whatever the algorithm does. The one
+            validator rejects a plan that shards the table another way.
+        min_partition: the narrowest column piece a plan may cut (TorchRec's `min_partition`);
+            None: any multiple of 4.
     """
 
     name: str
@@ -77,6 +91,9 @@ class Table:
     bytes_per_element: int = 4
     trace: TraceRef | None = None
     kind: str = "pooled"
+    num_poolings: float = 1.0
+    sharding_types: tuple[str, ...] | None = None
+    min_partition: int | None = None
 
     def __post_init__(self) -> None:
         where = f"table {self.name!r}"
@@ -108,6 +125,20 @@ class Table:
                 )
             object.__setattr__(self, "reuse_histogram", hist)
         object.__setattr__(self, "pooling_factor", float(self.pooling_factor))
+        if isinstance(self.num_poolings, bool) or not isinstance(self.num_poolings, (int, float)) or not (
+            math.isfinite(self.num_poolings) and self.num_poolings > 0
+        ):
+            raise InputError(f"{where}: num_poolings must be a finite number > 0, got {self.num_poolings!r}")
+        object.__setattr__(self, "num_poolings", float(self.num_poolings))
+        if self.sharding_types is not None:
+            types = (self.sharding_types,) if isinstance(self.sharding_types, str) else tuple(self.sharding_types)
+            unknown = [t for t in types if t not in SHARDING_TYPES]
+            if unknown or not types:
+                raise InputError(f"{where}: sharding_types must be a non-empty list of {', '.join(SHARDING_TYPES)}; "
+                                 f"got {list(types)}")
+            object.__setattr__(self, "sharding_types", tuple(dict.fromkeys(types)))
+        if self.min_partition is not None and (not _is_int(self.min_partition) or self.min_partition <= 0):
+            raise InputError(f"{where}: min_partition must be a positive integer, got {self.min_partition!r}")
 
     @property
     def size_bytes(self) -> int:
@@ -125,11 +156,21 @@ class Table:
             bytes_per_element=self.bytes_per_element,
             trace=self.trace,
             kind=self.kind,
+            num_poolings=self.num_poolings,
         )
 
     @property
     def is_sequence(self) -> bool:
         return self.kind == "sequence"
+
+    def allows(self, sharding_type: str) -> bool:
+        """Whether a plan may shard this table as `sharding_type` (TorchRec's name)."""
+        return self.sharding_types is None or sharding_type in self.sharding_types
+
+    def narrowest_column_piece(self) -> int:
+        """The narrowest column piece a split of this table may have (`min_partition`, at most
+        the table's width; DIM_ALIGNMENT when unconstrained)."""
+        return DIM_ALIGNMENT if self.min_partition is None else min(self.min_partition, self.dim)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -141,6 +182,14 @@ class Table:
             d.pop("trace")
         if self.kind == "pooled":  # pooled tables' JSON stays exactly as before kinds existed
             d.pop("kind")
+        if self.num_poolings == 1.0:
+            d.pop("num_poolings")
+        if self.sharding_types is None:
+            d.pop("sharding_types")
+        else:
+            d["sharding_types"] = list(self.sharding_types)
+        if self.min_partition is None:
+            d.pop("min_partition")
         return d
 
     @classmethod
@@ -169,6 +218,9 @@ class Table:
             bytes_per_element=d.get("bytes_per_element", 4),
             trace=trace,
             kind=d.get("kind", "pooled"),
+            num_poolings=d.get("num_poolings", 1.0),
+            sharding_types=d.get("sharding_types"),
+            min_partition=d.get("min_partition"),
         )
 
 

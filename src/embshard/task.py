@@ -1,6 +1,6 @@
 """A sharding task: tables, devices, memory per device, batch size, optimizer, topology.
 
-This module is the one place that knows the task JSON schema (docs/usage.md, "Contracts").
+This module is the one place that knows the task JSON schema (docs/contracts.md).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ OUTPUT_BYTES_PER_ELEMENT = 4
 #: device ("1 NIC per GPU" in BasicCommsBandwidths.get_bw, torchrec/distributed/planner/types.py).
 INTRA_HOST_GBPS = 600.0
 INTER_HOST_GBPS = 12.5
-#: Every key a task JSON object may hold (docs/usage.md, "Contracts").
+#: Every key a task JSON object may hold (docs/contracts.md).
 TASK_FIELDS = ("name", "num_devices", "device_memory_bytes", "batch_size", "tables", "optimizer", "devices_per_host",
                "hosts", "intra_host_gbps", "inter_host_gbps")
 #: What `_gbps` means here, as in TorchRec's constants: GiB (2**30 bytes) per second.
@@ -140,15 +140,16 @@ class Task:
         A sequence piece outputs one vector per id it serves: its share of the batch's
         batch × pooling_factor ids by rows (the uniform-access share TorchRec's planner also
         uses for row-wise I/O). A piece held in `copies` replicas serves 1/copies of the batch
-        on each (data-parallel: every copy serves its own samples).
+        on each (data-parallel: every copy serves its own samples). A pooled table read by
+        several features (`num_poolings`) has one output per bag.
         """
         weights = rows * dim * table.bytes_per_element
         optimizer_state = rows * OPTIMIZER_STATE_BYTES_PER_ROW[self.optimizer](dim)
         if table.is_sequence:
             lookups = math.ceil(self.batch_size * table.pooling_factor * rows / (table.rows * copies))
             io = 2 * lookups * dim * OUTPUT_BYTES_PER_ELEMENT
-        else:
-            io = 2 * math.ceil(self.batch_size / copies) * dim * OUTPUT_BYTES_PER_ELEMENT
+        else:  # every bag of the table (num_poolings per sample) has its own pooled output
+            io = 2 * math.ceil(math.ceil(self.batch_size / copies) * table.num_poolings) * dim * OUTPUT_BYTES_PER_ELEMENT
         return weights + optimizer_state + io
 
     def table_memory_bytes(self, table: Table) -> int:
@@ -198,6 +199,17 @@ class Task:
 
     def save(self, path: str | os.PathLike) -> None:
         write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def from_module(cls, module: Any, topology: Any, batch_size: int | None = None,
+                    constraints: dict[str, Any] | None = None, **kw: Any) -> "Task":
+        """The task a TorchRec model poses: every EmbeddingBagCollection and EmbeddingCollection
+        in `module`, on a TorchRec `Topology`, with TorchRec's per-rank `batch_size` and
+        `ParameterConstraints` by table name (`embshard.torchrec_bridge.task_from_module`,
+        which also says where each collection sits)."""
+        from embshard.torchrec_bridge import task_from_module
+
+        return task_from_module(module, topology, batch_size, constraints, **kw)[0]
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Task":

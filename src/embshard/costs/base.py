@@ -45,7 +45,7 @@ class DeviceCosts:
     @property
     def plan_cost_ms(self) -> float:
         """Max over devices of compute + forward comm + backward comm (+ the input ids' all-to-all
-        where it was timed) (docs/usage.md, "Contracts")."""
+        where it was timed) (docs/contracts.md)."""
         return max(self.total_ms)
 
     def headroom(self) -> dict[str, float]:

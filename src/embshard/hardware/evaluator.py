@@ -137,6 +137,11 @@ class HardwareEvaluator:
         shard_sets: list[list[ShardInput]] = []
         for plan in plans:
             validate(task, plan)  # never measure a plan that breaks a rule
+            replicated = sorted({s.table for s in plan.shards if s.replica and not tables[s.table].is_sequence})
+            if replicated:  # each copy would be timed on the whole batch, and its gradient sync not at all
+                raise InputError(
+                    f"plan {plan.algorithm!r} replicates pooled table(s) {replicated[:3]} (data_parallel), which the "
+                    "kernel measurement does not model; measure it as TorchRec's DMP step: hardware=dmp_cpu")
             for dev in range(d):
                 shard_sets.append([ShardInput(tables[s.table], s) for s in plan.shards_on(dev)])
 

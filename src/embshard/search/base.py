@@ -23,10 +23,13 @@ class Capabilities:
             may carry pooled tables beside them: the sequence data path runs both.
         splits_tables: whether it splits a table (columns or rows) over devices; infeasibility
             errors of the others name the ones that do.
+        made_elsewhere: its plan was made before the run (a plan file): it gets the task as it
+            is, never the task with constrained tables shaped first (search/constrained.py).
     """
 
     table_kinds: tuple[str, ...]
     splits_tables: bool
+    made_elsewhere: bool = False
 
 
 #: whole tables of either kind, one device each (the table-wise heuristics)

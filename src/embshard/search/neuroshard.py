@@ -523,6 +523,28 @@ class NeuroShardSearch:
         return placed, devs.cost, widths, bound
 
     # ------------------------------------------------------------------ splits
+    def may_halve(self, spec: PieceSpec) -> bool:
+        """Whether a free piece may be halved: its table allows column splits (its
+        `sharding_types`) and both halves stay at least its `min_partition` wide."""
+        t = self._tables[spec[0]]
+        if spec[3] != FREE or not halvable(spec[2]) or spec[2] // 2 < t.narrowest_column_piece():
+            return False
+        single_host = len(self.row_groups) == 1
+        return t.allows("column_wise") or (single_host and t.allows("table_column_wise"))
+
+    def row_groups_for(self, table: Table) -> list[tuple[int, ...]]:
+        """The device groups a table may be split by rows over, as its `sharding_types` allow:
+        one host's devices (table_row_wise; with one host, the same as row_wise), or, for a
+        table allowed row_wise but not table_row_wise on several hosts, all devices."""
+        if not self.row_wise:
+            return []
+        if len(self.row_groups) == 1:
+            ok = table.allows("row_wise") or table.allows("table_row_wise")
+            return list(self.row_groups) if ok else []
+        if table.allows("table_row_wise"):
+            return list(self.row_groups)
+        return [tuple(range(self.task.num_devices))] if table.allows("row_wise") else []
+
     def initial_state(self) -> tuple[PieceSpec, ...]:
         return tuple(sorted((t.name, 0, t.dim, FREE, 0) for t in self.task.tables))
 
@@ -535,17 +557,17 @@ class NeuroShardSearch:
             try:
                 return state, self.greedy(state)
             except InfeasibleError as e:
-                options = [s for s in state if s[0] == e.table and s[3] == FREE and halvable(s[2])]
+                options = [s for s in state if s[0] == e.table and self.may_halve(s)]
                 if options:
                     largest = max(options, key=lambda s: (s[2], -s[1]))
                     log.debug("neuroshard: %s does not fit whole; halving piece %s", e.table, largest)
                     state = halve(state, largest)
                     continue
-                if not self.row_wise or any(s[0] == e.table and s[3] != FREE for s in state):
-                    raise
                 t = self._tables[e.table]
+                if not self.row_groups_for(t) or any(s[0] == e.table and s[3] != FREE for s in state):
+                    raise
                 whole = tuple(sorted([s for s in state if s[0] != e.table] + [(t.name, 0, t.dim, FREE, 0)]))
-                for group in sorted(self.row_groups, key=len, reverse=True):
+                for group in sorted(self.row_groups_for(t), key=len, reverse=True):
                     try:
                         nxt = row_split(whole, (t.name, 0, t.dim, FREE, 0), group)
                         log.debug("neuroshard: %s does not fit in column pieces; splitting it by rows over %s",
@@ -566,7 +588,7 @@ class NeuroShardSearch:
         pieces = [p for p in self.pieces_of(state) if p.fixed == FREE]
         out: dict[tuple[PieceSpec, ...], None] = {}
         if self.column_wise:
-            halv = [p for p in pieces if halvable(p.dim)]
+            halv = [p for p in pieces if self.may_halve(p.spec)]
             by_size = sorted(halv, key=lambda p: (-p.need, p.spec))[: self.candidates]
             by_cost = sorted(halv, key=lambda p: (-p.single_ms, p.spec))[: self.candidates]
             for p in by_size + by_cost:
@@ -575,7 +597,7 @@ class NeuroShardSearch:
             split = {p.spec[0] for p in pieces if p.dim != p.table.dim}
             whole = [p for p in pieces if p.spec[0] not in split and p.table.rows >= len(self.row_groups[0])]
             for p in sorted(whole, key=lambda p: (-p.single_ms, p.spec))[: self.candidates]:
-                for group in self.row_groups:
+                for group in self.row_groups_for(p.table):
                     out[row_split(state, p.spec, group)] = None
         return list(out)
 

@@ -9,7 +9,9 @@ allocated. Settings, and why:
 * compute kernel restricted to "fused" (FBGEMM's table-batched kernel, all in device
   memory), the kernel our memory model and our measurements assume; UVM caching would
   keep only a cache in HBM and break the comparison;
-* data_parallel is not offered by default: our plan format has no replication;
+* data_parallel is not offered by default (`sharding_types` may add it: replicated tables
+  become replicas in our plan); a table's own `sharding_types` and `min_partition`
+  (`Table`, from the task or a TorchRec `ParameterConstraints`) replace the default for it;
 * TorchRec's batch_size is per rank, ours is global: it gets ceil(batch / devices);
 * storage reservation: a fixed percentage, 0 by default, because `device_memory_bytes`
   is already the budget for embedding work.
@@ -40,7 +42,8 @@ from embshard.search.base import Capabilities
 from embshard.task import Task
 from embshard.torchrec_bridge import plan_from_torchrec, task_to_ebc
 
-#: Sharding types TorchRec offers for an EmbeddingBagCollection on GPUs, minus data_parallel.
+#: Sharding types TorchRec offers for an EmbeddingBagCollection on GPUs, minus data_parallel
+#: (which the kernel measurement cannot time: it is TorchRec's DMP step's, hardware=dmp_cpu).
 DEFAULT_SHARDING_TYPES = (
     "table_wise",
     "column_wise",
@@ -89,8 +92,11 @@ class TorchRecPlanner:
     last_hbm_cap: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        if "data_parallel" in self.sharding_types:
-            raise PlanError("data_parallel cannot be allowed: our plan format has no replication")
+        from embshard.tables import SHARDING_TYPES
+
+        unknown = [t for t in self.sharding_types if t not in SHARDING_TYPES]
+        if unknown:
+            raise PlanError(f"unknown sharding type(s) {unknown}; known: {', '.join(SHARDING_TYPES)}")
         if self.compute_device not in ("cuda", "cpu"):
             raise PlanError(f"compute_device must be 'cuda' or 'cpu', got {self.compute_device!r}")
         if not 0.0 <= self.storage_reservation_percentage < 1.0:
@@ -162,9 +168,12 @@ class TorchRecPlanner:
             )
             constraints = {
                 t.name: ParameterConstraints(
-                    sharding_types=list(self.sharding_types),
-                    compute_kernels=["fused"],
-                    pooling_factors=[max(t.pooling_factor, 1e-6)],
+                    sharding_types=list(t.sharding_types or self.sharding_types),
+                    # the fused kernel, and TorchRec's dense one where it replicates a table
+                    compute_kernels=["fused", "dense"],
+                    min_partition=t.min_partition,
+                    pooling_factors=[max(t.pooling_factor / t.num_poolings, 1e-6)],
+                    num_poolings=[t.num_poolings],
                 )
                 for t in task.tables
             }
