@@ -117,8 +117,8 @@ def test_table_edges_are_accepted():
 @pytest.mark.parametrize("d, message", [
     ([1], "a table must be a JSON object, got list"),
     ({"name": "x", "rows": 1, "dim": 4, "pooling_factor": 1, "hash_size": 9},
-     "table 'x': unknown field 'hash_size'; known: bytes_per_element, dim, kind, name, pooling_factor, "
-     "reuse_histogram, rows, trace"),
+     "table 'x': unknown field 'hash_size'; known: bytes_per_element, dim, kind, min_partition, name, num_poolings, pooling_factor, "
+     "reuse_histogram, rows, sharding_types, trace"),
     ({"name": "x", "rows": 1}, "table 'x': missing field(s) ['dim', 'pooling_factor']"),
     ({"name": "x", "rows": 1, "dim": 4, "pooling_factor": 1, "trace": "f.pt"},
      "table 'x': trace must be {'file': str, 'table_index': int}"),
