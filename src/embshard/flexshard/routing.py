@@ -23,7 +23,10 @@ each host (irregular holder sets: a flat reduce-scatter + all-gather over all ho
   looked up in the step, each sent as (int64 row, fp32 gradient) to the holder that owns
   it in the phase: a row's owner inside a host is local copy `row mod p`, its owner among
   the hosts host `(row // p) mod h` (rows are laid out hottest first, so owners interleave
-  and every holder reduces an even share of hot and cold rows). Before each phase the
+  and every holder reduces an even share of hot and cold rows). Between two hosts the
+  reduce-scatter and all-gather become one exchange: each copy sends the other its touched
+  rows and both add (2u row messages per row where one host touches it with probability u,
+  against u + g for the two phases, g >= u the probability that either does). Before each phase the
   holders exchange, per peer and group, how many rows follow (one int64 each). A row
   touched by none of its holders moves nothing; the phases then deliver, to every holder,
   the sum over holders of every row any of them touched.
@@ -248,21 +251,22 @@ class SparseSync:
         hi, j = self._where(device)
         if phase in (0, 3):  # inside the host (flat: among all holders)
             return [d for d in self.hosts[hi] if d != device]
-        if not self.hierarchical or len(self.hosts) == 1:
-            return []
+        if not self.hierarchical or len(self.hosts) == 1 or (phase == 2 and len(self.hosts) == 2):
+            return []  # two hosts: the exchange of phase 1 is the whole all-reduce between them
         return sorted(h[j] for m, h in enumerate(self.hosts) if m != hi)
 
     def sends(self, phase: int, device: int, rows: np.ndarray) -> tuple[dict[int, np.ndarray], np.ndarray]:
         """({peer: positions of `rows` sent to it}, positions kept) for a holder whose touched
         rows (group-local, ascending) are `rows` when `phase` starts. Reduce-scatter phases
-        (0, 1) hand each row to its owner and keep the holder's own; gather phases (2, 3) send
-        every row to every peer and keep them all."""
+        (0, 1) hand each row to its owner and keep the holder's own; gather phases (2, 3), and
+        phase 1 between two hosts (the exchange), send every row to every peer and keep them
+        all. Receivers add what they get to what they keep."""
         hi, j = self._where(device)
         peers = self.peers(phase, device)
         everything = np.arange(rows.size)
         if not peers:
             return {}, everything
-        if phase in (2, 3):
+        if phase in (2, 3) or (phase == 1 and len(self.hosts) == 2):
             return {p: everything for p in peers}, everything
         if phase == 0:
             group = self.hosts[hi]
