@@ -40,7 +40,7 @@ from torch import nn
 from embshard.errors import PlanError
 from embshard.flexshard.routing import (SYNC_PHASES, SYNC_REDUCES, SparseSync, plan_routes, sync_groups,
                                         sync_schedule)
-from embshard.flexshard.traffic import FLOAT_BYTES, ID_BYTES, PURPOSES
+from embshard.flexshard.traffic import PURPOSES
 from embshard.plan import Plan
 from embshard.task import Task
 
@@ -72,6 +72,7 @@ class CommLedger:
         self.pair_bytes = {p: np.zeros(n) for p in PURPOSES}
 
     def add(self, purpose: str, split_elements: list[int], element_bytes: int, seconds: float) -> None:
+        """Count `split_elements[peer]` elements of `element_bytes` each sent to every other peer."""
         for peer, n in enumerate(split_elements):
             if peer == self.rank or not n:
                 continue
@@ -82,14 +83,16 @@ class CommLedger:
 
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group, ledger: CommLedger, purpose: str, element_bytes: int) -> torch.Tensor:
+                group, ledger: CommLedger, purpose: str) -> torch.Tensor:
+    """all_to_all_single, counted in the ledger in bytes of the tensor's own element size (not
+    the traffic model's constants, so the two counts are independent)."""
     if ledger.barrier_first:
         t0 = time.perf_counter()
         dist.barrier(group=group)
         ledger.wait_seconds[purpose] += time.perf_counter() - t0
     t0 = time.perf_counter()
     dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
-    ledger.add(purpose, in_splits, element_bytes, time.perf_counter() - t0)
+    ledger.add(purpose, in_splits, inp.element_size(), time.perf_counter() - t0)
     if ledger.record is not None:
         ledger.record.append((purpose, list(out_splits), list(in_splits), inp.dtype))
     return out
@@ -120,13 +123,13 @@ class _EmbeddingAllToAll(torch.autograd.Function):
     def forward(ctx, flat: torch.Tensor, out_splits: list[int], in_splits: list[int], group, ledger: CommLedger):
         ctx.splits, ctx.group, ctx.ledger = (out_splits, in_splits), group, ledger
         out = flat.new_empty(sum(out_splits))
-        return _all_to_all(out, flat.contiguous(), out_splits, in_splits, group, ledger, "embeddings_fw", FLOAT_BYTES)
+        return _all_to_all(out, flat.contiguous(), out_splits, in_splits, group, ledger, "embeddings_fw")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty(sum(in_splits))
-        _all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.group, ctx.ledger, "gradients_bw", FLOAT_BYTES)
+        _all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.group, ctx.ledger, "gradients_bw")
         return back, None, None, None, None
 
 
@@ -220,11 +223,11 @@ class ShardedSequenceEmbedding(nn.Module):
             inverse.append(inv)
         # 1. counts, 2. ids (dest-major, table-minor)
         recv_counts = torch.empty_like(counts)
-        _all_to_all(recv_counts.view(-1), counts.view(-1), [T] * D, [T] * D, self.group, self.ledger, "ids", ID_BYTES)
+        _all_to_all(recv_counts.view(-1), counts.view(-1), [T] * D, [T] * D, self.group, self.ledger, "ids")
         send_ids = torch.cat([q.split(counts[:, i].tolist())[d] for d in range(D) for i, q in enumerate(queries)])
         recv_ids = send_ids.new_empty(int(recv_counts.sum()))
         _all_to_all(recv_ids, send_ids, recv_counts.sum(1).tolist(), counts.sum(1).tolist(), self.group, self.ledger,
-                    "ids", ID_BYTES)
+                    "ids")
         # 3. local lookups of what was received (src-major, table-minor), then embeddings back
         blocks = recv_ids.split(recv_counts.view(-1).tolist())
         looked = []
@@ -344,7 +347,7 @@ class ShardedSequenceEmbedding(nn.Module):
                 out_splits[src] += n
             buf = torch.cat([grads[pn][a:a + n] for _, pn, a, n in sends]) if sends else torch.zeros(0)
             got = buf.new_empty(sum(out_splits))
-            _all_to_all(got, buf, out_splits, in_splits, self.group, self.ledger, "replica_sync", FLOAT_BYTES)
+            _all_to_all(got, buf, out_splits, in_splits, self.group, self.ledger, "replica_sync")
             offset = 0
             for _, pn, a, n in recvs:
                 if reduce:
@@ -389,7 +392,7 @@ class ShardedSequenceEmbedding(nn.Module):
             for peer, gs in peers:
                 splits[peer] = len(gs)
             got_counts = torch.empty_like(counts)
-            _all_to_all(got_counts, counts, splits, splits, self.group, self.ledger, "replica_sync", ID_BYTES)
+            _all_to_all(got_counts, counts, splits, splits, self.group, self.ledger, "replica_sync")
             parts, in_splits, out_splits = [], [0] * self.world, [0] * self.world
             i = 0
             for peer, gs in peers:
@@ -403,7 +406,7 @@ class ShardedSequenceEmbedding(nn.Module):
                     i += 1
             buf = torch.cat(parts) if parts else torch.zeros(0)
             got = buf.new_empty(sum(out_splits))
-            _all_to_all(got, buf, out_splits, in_splits, self.group, self.ledger, "replica_sync", FLOAT_BYTES)
+            _all_to_all(got, buf, out_splits, in_splits, self.group, self.ledger, "replica_sync")
             incoming: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
             offset, i = 0, 0
             for peer, gs in peers:

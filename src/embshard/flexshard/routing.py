@@ -21,9 +21,10 @@ each host (irregular holder sets: a flat reduce-scatter + all-gather over all ho
   2(h-1)/(h p) N between hosts per device.
 * sparse (`SparseSync`; plans with `sparse_sync`, FlexShard's): only the rows some holder
   looked up in the step, each sent as (int64 row, fp32 gradient) to the holder that owns
-  it in the phase: a row's owner inside a host is local copy `row mod p`, its owner among
-  the hosts host `(row // p) mod h` (rows are laid out hottest first, so owners interleave
-  and every holder reduces an even share of hot and cold rows). Between two hosts the
+  it in the phase: with r = row + a rotation per table (a hash of its name, so that no copy
+  owns every table's hottest row), a row's owner inside a host is local copy `r mod p`, its
+  owner among the hosts host `(r // p) mod h` (rows are laid out hottest first, so owners
+  interleave and every holder reduces an even share of hot and cold rows). Between two hosts the
   reduce-scatter and all-gather become one exchange: each copy sends the other its touched
   rows and both add (2u row messages per row where one host touches it with probability u,
   against u + g for the two phases, g >= u the probability that either does). Before each phase the
@@ -34,6 +35,7 @@ each host (irregular holder sets: a flat reduce-scatter + all-gather over all ho
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -222,12 +224,14 @@ class SparseSync:
     holder's rows; the data path to its own, learning the rest from the count exchange.
 
     `hosts`: the holders grouped by host (each ascending); a single list of all holders when
-    the hosts hold unequal numbers of copies (the flat fallback).
+    the hosts hold unequal numbers of copies (the flat fallback). `rotation`: added to a row
+    before its owners are picked.
     """
 
     group: SyncGroup
     hosts: tuple[tuple[int, ...], ...]
     hierarchical: bool
+    rotation: int = 0
 
     @classmethod
     def of(cls, group: SyncGroup, devices_per_host: int) -> "SparseSync":
@@ -235,9 +239,10 @@ class SparseSync:
         for m in group.members:
             by_host.setdefault(m // devices_per_host, []).append(m)
         hosts = [tuple(sorted(by_host[h])) for h in sorted(by_host)]
+        rotation = zlib.crc32(group.table.encode())
         if any(len(h) != len(hosts[0]) for h in hosts):
-            return cls(group, (tuple(sorted(group.members)),), False)
-        return cls(group, tuple(hosts), True)
+            return cls(group, (tuple(sorted(group.members)),), False, rotation)
+        return cls(group, tuple(hosts), True, rotation)
 
     def _where(self, device: int) -> tuple[int, int]:
         for hi, h in enumerate(self.hosts):
@@ -268,13 +273,14 @@ class SparseSync:
             return {}, everything
         if phase in (2, 3) or (phase == 1 and len(self.hosts) == 2):
             return {p: everything for p in peers}, everything
+        r = rows + self.rotation
         if phase == 0:
             group = self.hosts[hi]
-            owner_index = rows % len(group)
+            owner_index = r % len(group)
             owners = np.asarray(group, dtype=np.int64)[owner_index]
-        else:  # phase 1: rows already all of chunk j; owner host (row // p) mod h
+        else:  # phase 1: rows already all of chunk j; owner host (r // p) mod h
             p = len(self.hosts[0])
-            host_index = (rows // p) % len(self.hosts)
+            host_index = (r // p) % len(self.hosts)
             owners = np.asarray([h[j] for h in self.hosts], dtype=np.int64)[host_index]
         out = {peer: np.flatnonzero(owners == peer) for peer in peers}
         return {k: v for k, v in out.items() if v.size}, np.flatnonzero(owners == device)

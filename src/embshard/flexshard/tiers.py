@@ -227,19 +227,25 @@ def split_everything(problem: TierProblem) -> Solution:
     return _evaluate(problem, zero, zero, math.inf, 0.0)
 
 
+def cuts_at(problem: TierProblem, lam: float, theta: float) -> Solution:
+    """Every table's cheapest cuts at memory price `lam` (ms per byte) and weight `theta` on
+    the intra-host all-to-all, priced."""
+    return _evaluate(problem, *_cuts(problem, lam, theta), lam, theta)
+
+
 def _solve_lambda(problem: TierProblem, budget_bytes: float, theta: float, iterations: int = 60) -> Solution:
     """The cheapest cuts (weight θ on intra-host all-to-all) whose memory per device is within
     `budget_bytes`, by bisection on λ."""
-    free = _evaluate(problem, *_cuts(problem, 0.0, theta), 0.0, theta)
+    free = cuts_at(problem, 0.0, theta)
     if free.memory_bytes <= budget_bytes:
         return free
     lo, hi = 0.0, 1e-12
-    while _evaluate(problem, *_cuts(problem, hi, theta), hi, theta).memory_bytes > budget_bytes and hi < 1e30:
+    while cuts_at(problem, hi, theta).memory_bytes > budget_bytes and hi < 1e30:
         lo, hi = hi, hi * 16
-    best = _evaluate(problem, *_cuts(problem, hi, theta), hi, theta)
+    best = cuts_at(problem, hi, theta)
     for _ in range(iterations):
         mid = math.sqrt(lo * hi) if lo > 0 else hi / 2
-        sol = _evaluate(problem, *_cuts(problem, mid, theta), mid, theta)
+        sol = cuts_at(problem, mid, theta)
         if sol.memory_bytes <= budget_bytes:
             hi, best = mid, sol
         else:
