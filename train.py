@@ -14,13 +14,17 @@ pre-training, and end-to-end DLRM training under sharding plans.
         dlrm.plans=[neuroshard,torchrec,pile_up]                              # samples/s per plan
     python train.py stage=sequence_task experiment=flexshard_e2e out_dir=DIR  # FlexShard: a sequence task
     torchrun --nproc_per_node 4 train.py stage=sequence_throughput experiment=flexshard_e2e  # sequence DLRM per plan
+    python train.py stage=sequence_throughput experiment=flexshard_e2e cluster=emulated  # on 2 emulated hosts
 
 Every run writes its resolved config (config.yaml) beside its outputs.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import sys
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -47,6 +51,12 @@ def run(cfg: DictConfig) -> float | None:
 
     if cfg.stage not in STAGES:
         raise InputError(f"unknown stage {cfg.stage!r}; choose from {', '.join(STAGES)}")
+    if cfg.cluster.kind not in ("loopback", "emulated"):
+        raise InputError(f"cluster must be loopback or emulated, got {cfg.cluster.kind!r}")
+    from embshard.hardware.cluster import ENV_HOST
+
+    if cfg.cluster.kind == "emulated" and ENV_HOST not in os.environ:
+        return run_on_cluster(cfg)
     if cfg.stage in ("dlrm", "throughput"):
         return run_end_to_end(cfg)
     if cfg.stage == "sequence_task":  # FlexShard: dlrm/sequence_stages.py
@@ -164,6 +174,64 @@ def run_refine(cfg: DictConfig, out_dir: Path) -> None:
                      out_dir)
     log.info("refine: %d round(s), converged=%s, final models %s", len(summary["rounds"]), summary["converged"],
              summary["final"])
+
+
+def run_on_cluster(cfg: DictConfig) -> None:
+    """stage=throughput / sequence_throughput with cluster=emulated: the task's two hosts as
+    network namespaces joined by a tc-shaped veth pair (embshard.hardware.cluster), one torchrun
+    per host inside its namespace running this same command; torn down after, also on failure
+    or interrupt. Where namespaces cannot be made: one error line, then loopback (unless
+    cluster.on_unavailable=error)."""
+    from embshard.hardware.cluster import (ENV_CLUSTER, ClusterUnavailable, EmulatedCluster, LinkShape,
+                                           auto_rate_mbit, launch_torchrun, teardown_on_signals, timed_transfer_mbit)
+
+    c = cfg.cluster
+    if cfg.stage not in ("throughput", "sequence_throughput"):
+        raise InputError(f"cluster=emulated runs stage=throughput or stage=sequence_throughput, not {cfg.stage}")
+    if "RANK" in os.environ:
+        raise InputError("cluster=emulated starts its own processes (one torchrun per emulated host): "
+                         "run `python train.py ...` without torchrun")
+    if c.on_unavailable not in ("loopback", "error"):
+        raise InputError(f"cluster.on_unavailable must be loopback or error, got {c.on_unavailable!r}")
+    if c.rate_mbit != "auto" and not isinstance(c.rate_mbit, (int, float)):
+        raise InputError(f"cluster.rate_mbit must be auto or a number (Mbit/s), got {c.rate_mbit!r}")
+    if cfg.stage == "sequence_throughput":
+        from dlrm.sequence_stages import _block, build_task
+
+        task = build_task(_block(cfg), ROOT)
+    else:
+        from dlrm.stages import load_task
+
+        task = load_task(cfg.dlrm, partial(dataset_path, cfg.dataset), cfg.seed, local_rank=0)
+    if task.hosts != 2:
+        raise InputError(f"cluster=emulated joins two hosts; task {task.name!r} has {task.hosts} "
+                         f"({task.num_devices} devices, {task.devices_per_host} per host)")
+    nbytes = int(float(c.probe_megabytes) * 1e6)
+    try:
+        shape = LinkShape(1000.0 if c.rate_mbit == "auto" else float(c.rate_mbit), float(c.latency_us))
+        with teardown_on_signals(), EmulatedCluster(shape) as cluster:
+            info: dict = {"kind": "emulated", "task_intra_host_gbps": task.intra_host_gbps,
+                          "task_inter_host_gbps": task.inter_host_gbps, "devices_per_host": task.devices_per_host}
+            if c.rate_mbit == "auto":
+                loop = timed_transfer_mbit(cluster, 0, 0, nbytes)
+                cluster.set_rate(auto_rate_mbit(loop, task.intra_host_gbps, task.inter_host_gbps, task.devices_per_host))
+                info["loopback_stream_mbit"] = loop
+            link = timed_transfer_mbit(cluster, 0, 1, min(nbytes, int(cluster.shape.rate_mbit * 1e6 / 8 * 3)))
+            info.update(cluster.describe(), measured_link_mbit=link)
+            print(f"emulated cluster: 2 hosts x {task.devices_per_host} processes, link {cluster.shape.rate_mbit:.0f} "
+                  f"Mbit/s set, {link:.0f} Mbit/s timed" + (f" (loopback stream {info['loopback_stream_mbit']:.0f} "
+                                                             f"Mbit/s)" if "loopback_stream_mbit" in info else ""))
+            rc = launch_torchrun(cluster, task.devices_per_host, ROOT / "train.py", sys.argv[1:],
+                                 {ENV_CLUSTER: json.dumps(info)}, master_port=int(c.master_port))
+    except ClusterUnavailable as e:
+        if c.on_unavailable == "error":
+            raise
+        print(f"error: {e}; running on loopback instead (every link the same speed)", file=sys.stderr)
+        rc = launch_torchrun(None, task.num_devices, ROOT / "train.py", sys.argv[1:],
+                             {ENV_CLUSTER: json.dumps({"kind": "loopback", "reason": str(e)})})
+    if rc:
+        raise SystemExit(rc)
+    return None
 
 
 def run_end_to_end(cfg: DictConfig) -> float:

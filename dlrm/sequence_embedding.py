@@ -27,7 +27,6 @@ counts equal embshard.flexshard.traffic's model of the same batches (tests/test_
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -41,6 +40,10 @@ from embshard.errors import PlanError
 from embshard.flexshard.routing import (SYNC_PHASES, SYNC_REDUCES, SparseSync, plan_routes, sync_groups,
                                         sync_schedule)
 from embshard.flexshard.traffic import PURPOSES
+from embshard.hardware.protocol import Stopwatch
+
+#: collectives are timed by the measurement protocol's wall clock (their cost is waiting and moving bytes)
+_WALL = Stopwatch("wall")
 from embshard.plan import Plan
 from embshard.task import Task
 
@@ -87,12 +90,9 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_
     """all_to_all_single, counted in the ledger in bytes of the tensor's own element size (not
     the traffic model's constants, so the two counts are independent)."""
     if ledger.barrier_first:
-        t0 = time.perf_counter()
-        dist.barrier(group=group)
-        ledger.wait_seconds[purpose] += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
-    ledger.add(purpose, in_splits, inp.element_size(), time.perf_counter() - t0)
+        ledger.wait_seconds[purpose] += _WALL.time(lambda: dist.barrier(group=group)) / 1e3
+    ms = _WALL.time(lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group))
+    ledger.add(purpose, in_splits, inp.element_size(), ms / 1e3)
     if ledger.record is not None:
         ledger.record.append((purpose, list(out_splits), list(in_splits), inp.dtype))
     return out
@@ -110,9 +110,7 @@ def replay_collectives(collectives: list, group=None, empty: bool = False) -> di
         inp = torch.ones(sum(in_splits), dtype=dtype)
         out = torch.empty(sum(out_splits), dtype=dtype)
         dist.barrier(group=group)
-        t0 = time.perf_counter()
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
-        total[purpose] += time.perf_counter() - t0
+        total[purpose] += _WALL.time(lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)) / 1e3
     return total
 
 
