@@ -426,7 +426,8 @@ class ShardedSequenceEmbedding(nn.Module):
                 state[g] = (rows, vals)
         for g, (_, pname, dim, nrows) in plan["groups"].items():
             rows, vals = state[g]
-            self.params[pname].grad = torch.sparse_coo_tensor(rows[None], vals, (nrows, dim)).coalesce()
+            self.params[pname].grad = torch.sparse_coo_tensor(rows[None], vals, (nrows, dim), is_coalesced=True,
+                                                              check_invariants=False)  # rows: sorted, distinct
 
     # ------------------------------------------------------------------ inspection
     def local_rows(self, table: str) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
