@@ -221,14 +221,15 @@ def run_on_cluster(cfg: DictConfig) -> None:
             print(f"emulated cluster: 2 hosts x {task.devices_per_host} processes, link {cluster.shape.rate_mbit:.0f} "
                   f"Mbit/s set, {link:.0f} Mbit/s timed" + (f" (loopback stream {info['loopback_stream_mbit']:.0f} "
                                                              f"Mbit/s)" if "loopback_stream_mbit" in info else ""))
-            rc = launch_torchrun(cluster, task.devices_per_host, ROOT / "train.py", sys.argv[1:],
+            rc = launch_torchrun(cluster, 2, task.devices_per_host, ROOT / "train.py", sys.argv[1:],
                                  {ENV_CLUSTER: json.dumps(info)}, master_port=int(c.master_port))
     except ClusterUnavailable as e:
         if c.on_unavailable == "error":
             raise
         print(f"error: {e}; running on loopback instead (every link the same speed)", file=sys.stderr)
-        rc = launch_torchrun(None, task.num_devices, ROOT / "train.py", sys.argv[1:],
-                             {ENV_CLUSTER: json.dumps({"kind": "loopback", "reason": str(e)})})
+        rc = launch_torchrun(None, 2, task.devices_per_host, ROOT / "train.py", sys.argv[1:],
+                             {ENV_CLUSTER: json.dumps({"kind": "loopback", "reason": str(e)})},
+                             master_port=int(c.master_port))
     if rc:
         raise SystemExit(rc)
     return None

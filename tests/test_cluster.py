@@ -145,6 +145,63 @@ def test_emulated_cluster_refuses_a_task_of_other_than_two_hosts(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_where_namespaces_cannot_be_made_one_line_error(tmp_path):
+    """No `ip` on PATH and cluster.on_unavailable=error: one error line, exit 2, nothing written."""
+    env = {"PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                   if not (Path(p) / "ip").exists())}
+    done = _train(tmp_path, "stage=sequence_throughput", "experiment=flexshard_tiny", "cluster=emulated",
+                  f"sequence.trace.path={tmp_path / 'trace.pt'}", "cluster.on_unavailable=error",
+                  f"out_dir={tmp_path / 'refused'}", env=env)
+    err = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(err) == 1 and "iproute2" in err[0], done.stderr[-2000:]
+    assert not (tmp_path / "refused").exists()
+
+
+def test_loopback_fallback_says_so_and_keeps_the_host_layout(tmp_path, monkeypatch, capsys):
+    """Where the cluster cannot come up (mocked here: the namespaces' part is tested above), the
+    launcher prints one error line and runs the same command as 2 hosts' torchruns on loopback."""
+    import train
+    from hydra import compose, initialize_config_dir
+
+    def refuse(self):
+        raise C.ClusterUnavailable("cluster: creating network namespaces needs root (CAP_NET_ADMIN)")
+
+    launched = []
+    monkeypatch.setattr(C.EmulatedCluster, "up", refuse)
+    monkeypatch.setattr(C, "launch_torchrun", lambda *a, **kw: launched.append((a, kw)) or 0)
+    monkeypatch.delenv("RANK", raising=False)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "stage=sequence_throughput", "experiment=flexshard_tiny", "cluster=emulated",
+            f"sequence.trace.path={tmp_path / 'trace.pt'}", f"out_dir={tmp_path / 'out'}"])
+    train.run(cfg)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == ["error: cluster: creating network namespaces needs root (CAP_NET_ADMIN); running on loopback "
+                   "instead (every link the same speed)"]
+    ((cluster, hosts, per_host, script, _, env), _), = launched
+    assert cluster is None and (hosts, per_host) == (2, 2) and Path(script).name == "train.py"
+    assert json.loads(env[C.ENV_CLUSTER]) == {"kind": "loopback", "reason": "cluster: creating network namespaces "
+                                                                              "needs root (CAP_NET_ADMIN)"}
+
+
+def test_launch_on_loopback_runs_one_torchrun_per_host(tmp_path):
+    script = tmp_path / "who.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, pathlib
+        pathlib.Path({str(tmp_path)!r}, "rank" + os.environ["RANK"]).write_text(
+            " ".join(os.environ[k] for k in ("GROUP_RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOO_SOCKET_IFNAME",
+                                             "{C.ENV_HOST}", "X")))
+    """))
+    assert C.launch_torchrun(None, 2, 2, script, [], {"X": "x"}, timeout_s=300) == 0
+    got = sorted((tmp_path / f"rank{r}").read_text() for r in range(4))
+    assert got == sorted(f"{h} {lr} 4 lo {h} x" for h in range(2) for lr in range(2))
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os, sys, time\nsys.exit(3) if os.environ['RANK'] == '3' else time.sleep(60)\n")
+    t0 = time.monotonic()
+    assert C.launch_torchrun(None, 2, 2, bad, [], {}, timeout_s=300) != 0  # a failed host stops the other
+    assert time.monotonic() - t0 < 55
+
+
 @pytest.mark.slow
 @needs_netns
 def test_sequence_throughput_runs_on_the_emulated_cluster(tmp_path):

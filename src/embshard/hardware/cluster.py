@@ -313,28 +313,29 @@ def timed_transfer_mbit(cluster: EmulatedCluster, src: int, dst: int, nbytes: in
     return got["bytes"] * 8 / (got["ms"] / 1e3) / 1e6
 
 
-def launch_torchrun(cluster: EmulatedCluster | None, nproc_per_node: int, script: str | os.PathLike,
+def launch_torchrun(cluster: EmulatedCluster | None, hosts: int, nproc_per_node: int, script: str | os.PathLike,
                     args: Sequence[str], env: dict[str, str], master_port: int = 29500,
                     timeout_s: float | None = None) -> int:
-    """Run `script args` under torchrun, one torchrun per emulated host inside its namespace
-    (`nproc_per_node` processes each, rendezvous at host 0's address, gloo bound to the host's
-    veth: same-host pairs then meet over the namespace's loopback path, other pairs cross the
-    shaped link); `cluster` None: one torchrun on this machine's loopback. Returns the first
-    non-zero exit status (the other hosts' processes are then stopped), else 0."""
-    hosts = cluster.hosts if cluster is not None else 1
+    """Run `script args` under torchrun, one torchrun (`nproc_per_node` processes) per host:
+    inside each emulated host's namespace (rendezvous at host 0's address, gloo bound to the
+    host's veth: same-host pairs then meet over the namespace's loopback path, other pairs cross
+    the shaped link), or with `cluster` None all on this machine's loopback (the same host
+    layout, every link the same speed). Returns the first non-zero exit status (the other
+    hosts' processes are then stopped), else 0."""
+    if cluster is None:  # this machine's loopback is shared with other runs: a free port
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            master_port = probe.getsockname()[1]
     procs = []
     try:
         for h in range(hosts):
-            run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node)]
-            if cluster is None:
-                run += ["--standalone"]
-            else:
-                run += ["--nnodes", str(hosts), "--node_rank", str(h), "--master_addr", cluster.address(0),
-                        "--master_port", str(master_port)]
-            argv = [*run, str(script), *args]
-            host_env = {**os.environ, **env, ENV_HOST: str(h) if cluster is not None else "loopback"}
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node),
+                    "--nnodes", str(hosts), "--node_rank", str(h),
+                    "--master_addr", cluster.address(0) if cluster is not None else "127.0.0.1",
+                    "--master_port", str(master_port), str(script), *args]
+            host_env = {**os.environ, **env, ENV_HOST: str(h),
+                        "GLOO_SOCKET_IFNAME": cluster.interface(h) if cluster is not None else "lo"}
             if cluster is not None:
-                host_env["GLOO_SOCKET_IFNAME"] = cluster.interface(h)
                 argv = cluster.command(h, argv)
             procs.append(subprocess.Popen(argv, env=host_env, start_new_session=True))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
