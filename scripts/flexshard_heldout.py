@@ -39,19 +39,22 @@ TARGETS = {
 
 
 def make_tasks(out: Path, num_tasks: int, seed: int) -> None:
-    from embshard.flexshard.tasks import HeldoutFamily, heldout_task
+    from embshard.flexshard.tasks import HeldoutFamily, heldout_draw, heldout_task
 
     family = HeldoutFamily()
-    rows = []
+    rows, draws = [], {}
     for i in range(num_tasks):
         task = heldout_task(family, i, seed, out)
+        draws[task.name] = heldout_draw(family, i, seed)
         task.save(out / "tasks" / f"{task.name}.json")
         rows.append(f"{task.name}: {len(task.tables)} tables ({min(t.rows for t in task.tables):,}.."
                     f"{max(t.rows for t in task.tables):,} rows), {task.hosts} hosts x {task.devices_per_host}, "
                     f"batch {task.batch_size}, mean lengths {min(t.pooling_factor for t in task.tables):.0f}.."
-                    f"{max(t.pooling_factor for t in task.tables):.0f}")
+                    f"{max(t.pooling_factor for t in task.tables):.0f}, Zipf {min(draws[task.name]['zipf']):.2f}.."
+                    f"{max(draws[task.name]['zipf']):.2f}")
         print(rows[-1])
-    write_json_atomic(out / "family.json", {"seed": seed, "num_tasks": num_tasks, "family": family.to_dict()})
+    write_json_atomic(out / "family.json", {"seed": seed, "num_tasks": num_tasks, "family": family.to_dict(),
+                                            "tasks": draws})
 
 
 def _value(result: dict, key: str) -> float | None:

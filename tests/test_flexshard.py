@@ -328,6 +328,26 @@ def test_plan_json_with_sidecar_row_maps_round_trips_and_rejects_tampering(tmp_p
         validate(task, Plan(task.name, "x", plan.shards, {"s0": np.array([1, 1])}))
 
 
+def test_heldout_family_draws_within_its_ranges_and_replays(tmp_path):
+    from embshard.flexshard.tasks import HeldoutFamily, heldout_draw, heldout_task
+
+    family = HeldoutFamily(log10_rows=(3.0, 4.0), mean_length=(2.0, 6.0), batch_sizes=(64,), steps=3)
+    for i in range(4):
+        d = heldout_draw(family, i, seed=5)
+        assert 2 <= d["hosts"] <= 4 and 4 <= d["devices_per_host"] <= 8 and 6 <= len(d["rows"]) <= 10
+        assert all(10**3 - 1 <= r <= 10**4 + 1 for r in d["rows"]) and all(0.6 <= z <= 1.4 for z in d["zipf"])
+        assert all(2.0 <= m <= 6.0 for m in d["mean_length"]) and set(d["dims"]) <= set(family.dims)
+    task = heldout_task(family, 1, 5, tmp_path)
+    again = heldout_task(family, 1, 5, tmp_path)  # a pure function of (seed, index); the trace is reused
+    assert task == again and task.hosts == heldout_draw(family, 1, 5)["hosts"]
+    need = max(RowWiseSharder().shard(Task.from_dict({**task.to_dict(), "device_memory_bytes": 1 << 62}))
+               .memory_bytes(task))
+    assert task.device_memory_bytes == math.ceil(1.25 * need)
+    for t in task.tables:
+        ids, lengths = step_batch(t, task.batch_size, 2, 0)  # the last of the trace's 3 steps
+        assert lengths.size == task.batch_size and ids.size == lengths.sum() and ids.max() < t.rows
+
+
 # ---------------------------------------------------------------------------- statistics
 def test_access_counts_stream_and_fit_only_on_early_steps():
     ids, counts = count_rows([np.array([3, 1, 3]), np.array([3, 7])], 10**9)  # the sort-and-merge path

@@ -96,9 +96,9 @@ class HeldoutFamily:
         return asdict(self)
 
 
-def heldout_task(family: HeldoutFamily, index: int, seed: int, out_dir: str | os.PathLike) -> Task:
-    """Task `index` of the family (a pure function of (seed, index)); its trace is written to
-    `out_dir/traces/heldout_<seed>_<index>.pt` (once; atomically)."""
+def heldout_draw(family: HeldoutFamily, index: int, seed: int) -> dict:
+    """What task `index` of the family draws (a pure function of (seed, index)): hosts, devices
+    per host, batch, and per table rows, Zipf exponent, mean sequence length, width, seed."""
     rng = np.random.default_rng([int(seed), int(index), 0x4E1D])
     hosts = int(rng.integers(family.hosts[0], family.hosts[1] + 1))
     per_host = int(rng.integers(family.devices_per_host[0], family.devices_per_host[1] + 1))
@@ -110,11 +110,22 @@ def heldout_task(family: HeldoutFamily, index: int, seed: int, out_dir: str | os
     batch = int(rng.choice(np.asarray(family.batch_sizes)))
     while batch > 256 and batch * lengths_mean.sum() > family.max_ids_per_step:
         batch //= 2
+    seeds = rng.integers(0, 2**31 - 1, size=n)
+    return {"hosts": hosts, "devices_per_host": per_host, "batch_size": batch, "rows": rows.tolist(),
+            "zipf": zipf.tolist(), "mean_length": lengths_mean.tolist(), "dims": dims.tolist(), "seeds": seeds.tolist()}
+
+
+def heldout_task(family: HeldoutFamily, index: int, seed: int, out_dir: str | os.PathLike) -> Task:
+    """Task `index` of the family (`heldout_draw`); its trace is written to
+    `out_dir/traces/heldout_<seed>_<index>.pt` (once; atomically)."""
+    d = heldout_draw(family, index, seed)
+    hosts, per_host, batch = d["hosts"], d["devices_per_host"], d["batch_size"]
+    rows, zipf, lengths_mean = np.array(d["rows"]), np.array(d["zipf"]), np.array(d["mean_length"])
+    dims, seeds, n = np.array(d["dims"]), np.array(d["seeds"]), len(d["rows"])
     samples = batch * family.steps
     name = f"heldout_{seed}_{index}"
     path = Path(out_dir) / "traces" / f"{name}.pt"
     all_lengths = np.empty((n, samples), dtype=np.int64)
-    seeds = rng.integers(0, 2**31 - 1, size=n)
     table_rngs = [np.random.default_rng([int(seed), int(index), t]) for t in range(n)]
     for t in range(n):
         lam = table_rngs[t].gamma(family.nb_shape, lengths_mean[t] / family.nb_shape, size=samples)
