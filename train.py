@@ -183,7 +183,8 @@ def run_on_cluster(cfg: DictConfig) -> None:
     or interrupt. Where namespaces cannot be made: one error line, then loopback (unless
     cluster.on_unavailable=error)."""
     from embshard.hardware.cluster import (ENV_CLUSTER, ClusterUnavailable, EmulatedCluster, LinkShape,
-                                           auto_rate_mbit, launch_torchrun, teardown_on_signals, timed_transfer_mbit)
+                                           auto_rate_mbit, intra_host_mbit, launch_torchrun, teardown_on_signals,
+                                           timed_transfer_mbit)
 
     c = cfg.cluster
     if cfg.stage not in ("throughput", "sequence_throughput"):
@@ -212,15 +213,20 @@ def run_on_cluster(cfg: DictConfig) -> None:
         with teardown_on_signals(), EmulatedCluster(shape) as cluster:
             info: dict = {"kind": "emulated", "task_intra_host_gbps": task.intra_host_gbps,
                           "task_inter_host_gbps": task.inter_host_gbps, "devices_per_host": task.devices_per_host}
+            info["loopback_stream_mbit"] = timed_transfer_mbit(cluster, 0, 0, nbytes)
             if c.rate_mbit == "auto":
-                loop = timed_transfer_mbit(cluster, 0, 0, nbytes)
-                cluster.set_rate(auto_rate_mbit(loop, task.intra_host_gbps, task.inter_host_gbps, task.devices_per_host))
-                info["loopback_stream_mbit"] = loop
+                if task.devices_per_host < 2:
+                    raise InputError("cluster.rate_mbit=auto scales from the intra-host link, which needs 2+ devices "
+                                     "per host; set cluster.rate_mbit")
+                info["intra_host_mbit_per_device"] = intra_host_mbit(cluster, task.devices_per_host)
+                cluster.set_rate(auto_rate_mbit(info["intra_host_mbit_per_device"], task.intra_host_gbps,
+                                                task.inter_host_gbps, task.devices_per_host))
             link = timed_transfer_mbit(cluster, 0, 1, min(nbytes, int(cluster.shape.rate_mbit * 1e6 / 8 * 3)))
             info.update(cluster.describe(), measured_link_mbit=link)
             print(f"emulated cluster: 2 hosts x {task.devices_per_host} processes, link {cluster.shape.rate_mbit:.0f} "
-                  f"Mbit/s set, {link:.0f} Mbit/s timed" + (f" (loopback stream {info['loopback_stream_mbit']:.0f} "
-                                                             f"Mbit/s)" if "loopback_stream_mbit" in info else ""))
+                  f"Mbit/s set, {link:.0f} Mbit/s timed (intra-host: gloo "
+                  f"{info.get('intra_host_mbit_per_device', float('nan')):.0f} Mbit/s per device, one TCP stream "
+                  f"{info['loopback_stream_mbit']:.0f})")
             rc = launch_torchrun(cluster, 2, task.devices_per_host, ROOT / "train.py", sys.argv[1:],
                                  {ENV_CLUSTER: json.dumps(info)}, master_port=int(c.master_port))
     except ClusterUnavailable as e:

@@ -8,10 +8,12 @@ loopback path (unshaped: the fast intra-host link); processes of different hosts
 shaped pair. The namespaces have no route anywhere else, so no traffic leaves them.
 
 Scaled to this machine: the task's figures are per device (TorchRec's: 600 GiB/s inside a
-host, 12.5 GiB/s between hosts, one NIC per device). `auto_rate_mbit` times a TCP stream
-between two processes inside a namespace (this machine's intra-host link, per device) and
-sets the host link to that x inter / intra x devices per host: the task's ratio of the two
-tiers, with every device of the host sharing the emulated link.
+host, 12.5 GiB/s between hosts, one NIC per device). `intra_host_mbit` times what the run's
+processes get inside a host here: the host's P processes in one namespace, each sending to
+every other in a gloo all-to-all (CPU-bound on this machine, several times below one TCP
+stream, which `timed_transfer_mbit` gives); `auto_rate_mbit` sets the host link to that per
+device x inter / intra x P: the task's ratio of the two tiers as the processes see them, every
+device of the host sharing the emulated link.
 
 Everything is torn down when the context exits, on failure and on SIGINT / SIGTERM too
 (`teardown_on_signals`); namespaces left by runs that died (their creator's pid is gone) are
@@ -361,6 +363,79 @@ def launch_torchrun(cluster: EmulatedCluster | None, hosts: int, nproc_per_node:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def _intra_worker(rank: int, world: int, namespace: str, interface: str, store: str, nbytes: int, reps: int,
+                  results, host: int) -> None:
+    try:
+        enter_namespace(namespace)
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from embshard.hardware.protocol import Stopwatch
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
+        per_peer = nbytes // 4
+        splits = [0 if p == rank else per_peer for p in range(world)]
+        send, recv = torch.ones(sum(splits)), torch.empty(sum(splits))
+        timer, times = Stopwatch("wall"), []
+        for rep in range(reps + 1):  # the first is a warm-up
+            dist.barrier()
+            ms = timer.time(lambda: dist.all_to_all_single(recv, send, splits, splits))
+            if rep:
+                times.append(ms)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((host, rank, times))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        results.put((host, rank, f"{type(e).__name__}: {e}"))
+
+
+def intra_host_mbit(cluster: EmulatedCluster, processes: int, nbytes: int = 100_000_000, reps: int = 7) -> float:
+    """Mbit/s each of a host's `processes` gloo processes sends to the others in an all-to-all
+    (`nbytes` to each peer), every host at once as in a run (they share this machine's cores):
+    the median over `reps` of the slowest rank, the slowest host. This machine's intra-host link
+    per device as a run's processes get it."""
+    import queue
+    import statistics
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if processes < 2:
+        raise InputError("cluster: the intra-host link needs at least 2 processes per host to time")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="embshard-intra-") as tmp:
+        procs = [ctx.Process(target=_intra_worker,
+                             args=(r, processes, cluster.namespaces[h], cluster.interface(h),
+                                   os.path.join(tmp, f"store{h}"), nbytes, reps, results, h))
+                 for h in range(cluster.hosts) for r in range(processes)]
+        for p in procs:
+            p.start()
+        got: dict[tuple[int, int], list[float]] = {}
+        try:
+            while len(got) < len(procs):
+                try:
+                    host, rank, times = results.get(timeout=300)
+                except queue.Empty:
+                    raise ClusterUnavailable("cluster: timing the intra-host link took over 300 s") from None
+                if isinstance(times, str):
+                    raise ClusterUnavailable(f"cluster: timing the intra-host link failed: {times}")
+                got[(host, rank)] = times
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    worst = max(statistics.median(max(got[(h, r)][i] for r in range(processes)) for i in range(reps))
+                for h in range(cluster.hosts))
+    return nbytes * (processes - 1) * 8 / (worst / 1e3) / 1e6
 
 
 def network_info() -> dict:

@@ -180,7 +180,7 @@ class HardwareEvaluator:
     def _network(self, task: Task):
         """The emulated cluster for `task`'s all-to-alls (None: loopback), torn down after."""
         from embshard.hardware.cluster import (ClusterUnavailable, EmulatedCluster, LinkShape, auto_rate_mbit,
-                                               teardown_on_signals, timed_transfer_mbit)
+                                               intra_host_mbit, teardown_on_signals)
 
         c = self.cluster
         if c["kind"] != "emulated":
@@ -190,17 +190,19 @@ class HardwareEvaluator:
         if task.hosts != 2:
             raise InputError(f"hardware.cluster=emulated joins two hosts; task {task.name!r} has {task.hosts}")
         rate = c.get("rate_mbit", "auto")
-        nbytes = int(float(c.get("probe_megabytes", 200)) * 1e6)
         cluster = EmulatedCluster(LinkShape(1000.0 if rate == "auto" else float(rate), float(c.get("latency_us", 0.0))))
         with teardown_on_signals():
             try:
                 cluster.up()
                 info: dict = {"kind": "emulated"}
                 if rate == "auto":
-                    loop = timed_transfer_mbit(cluster, 0, 0, nbytes)
-                    cluster.set_rate(auto_rate_mbit(loop, task.intra_host_gbps, task.inter_host_gbps,
+                    if task.devices_per_host < 2:
+                        raise InputError("hardware.cluster.rate_mbit=auto scales from the intra-host link, which "
+                                         "needs 2+ devices per host; set a rate")
+                    intra = intra_host_mbit(cluster, task.devices_per_host)
+                    cluster.set_rate(auto_rate_mbit(intra, task.intra_host_gbps, task.inter_host_gbps,
                                                     task.devices_per_host))
-                    info["loopback_stream_mbit"] = loop
+                    info["intra_host_mbit_per_device"] = intra
             except ClusterUnavailable as e:
                 cluster.down()
                 if c.get("on_unavailable", "loopback") == "error":
