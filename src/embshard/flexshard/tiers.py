@@ -100,14 +100,10 @@ class TierProblem:
         values, counts, starts = [], [], [0]
         for v in per_step:
             v = np.asarray(v, dtype=np.float64)
-            if v.size:
-                first = np.flatnonzero(np.r_[True, v[1:] != v[:-1]])
-                values.append(v[first])
-                counts.append(np.diff(np.r_[first, v.size]))
-            starts.append(starts[-1] + (len(values[-1]) if v.size else 0))
-            if not v.size:
-                values.append(np.zeros(0))
-                counts.append(np.zeros(0, dtype=np.int64))
+            first = np.flatnonzero(np.r_[True, v[1:] != v[:-1]]) if v.size else np.zeros(0, dtype=np.int64)
+            values.append(v[first])
+            counts.append(np.diff(np.r_[first, v.size]).astype(np.int64))
+            starts.append(starts[-1] + first.size)
         row_bytes = np.array([t.dim * t.bytes_per_element + OPTIMIZER_STATE_BYTES_PER_ROW[task.optimizer](t.dim)
                               for t in tables], dtype=np.float64)
         return cls(task, [t.name for t in tables], np.array([t.rows for t in tables], dtype=np.int64), row_bytes,
