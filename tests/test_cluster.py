@@ -126,6 +126,15 @@ def test_bad_cluster_topology_and_link_are_one_line_errors():
             C.LinkShape(bad)
 
 
+def test_measured_evaluation_on_the_cluster_refuses_what_it_cannot_run():
+    from embshard.hardware.evaluator import HardwareEvaluator
+
+    with pytest.raises(InputError, match="loopback or emulated"):
+        HardwareEvaluator(cluster={"kind": "switched"})
+    with pytest.raises(InputError, match="gloo all-to-alls"):
+        HardwareEvaluator(step="dmp", cluster={"kind": "emulated"})
+
+
 def test_auto_rate_keeps_the_tasks_ratio():
     # a 6,000 Mbit/s intra-host stream, TorchRec's 600 / 12.5 GiB/s, 2 devices sharing the host link
     assert C.auto_rate_mbit(6000.0, 600.0, 12.5, 2) == pytest.approx(6000.0 / 48 * 2)
