@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard rl-checkpoints rl-eval rl-ablation rl-bench compare-planners planner-bench
+.PHONY: demo test venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-eval rl-ablation rl-bench compare-planners planner-bench
 
 venv: $(STAMP)
 
@@ -201,13 +201,17 @@ rl-ablation: $(STAMP)
 rl-bench: $(STAMP)
 	$(PY) scripts/bench_rl_planning.py --samples 0,8
 
-# FlexShard on this CPU (docs/flexshard.md): for calibrated and item-popularity (Zipf 1.0) sequence
-# traces, the 24-table task on 2 hosts x 8 devices, every baseline and FlexShard replayed on held-out
-# steps (evaluate=traffic), the memory-cap curve, planning time for 856 tables on 128 devices, and the
-# sequence DLRM trained under the plans by 4 gloo processes (2 hosts x 2 devices). About 25 min here.
+# FlexShard on this CPU (docs/flexshard.md). `make flexshard` (modeled, about 60 min here): for
+# calibrated and item-popularity (Zipf 1.0) sequence traces, the 24-table task on 2 hosts x 8 devices,
+# every baseline and FlexShard replayed on held-out steps (evaluate=traffic) and the memory-cap curve;
+# 10 held-out tasks of another family (2-4 hosts of 4-8 devices, Zipf 0.6-1.4, sequences of 10-200,
+# tables of 1e3-1e8 rows) with every baseline; the claims per task; planning time for 856 tables on
+# 128 devices. `make flexshard-measured` (about 25 min): the sequence DLRM trained under five plans on
+# an emulated two-host cluster (2 x 2 gloo processes in network namespaces, tc-shaped link), and the
+# pooled DLRM under TorchRec's row_wise and table_row_wise on the same cluster. Needs root for the
+# namespaces (where they cannot be made: one error line, then loopback).
 FS := experiments/flexshard
-FS_ALGOS := [table_wise,row_wise,row_wise_dedup,table_row_wise,data_parallel,hugectr_hybrid,flexshard,flexshard_dedup]
-TORCHRUN4 := $(PY) -m torch.distributed.run --standalone --nproc_per_node 4
+FS_ALGOS := [table_wise,row_wise,row_wise_dedup,table_row_wise,data_parallel,hugectr_hybrid,flexshard]
 
 flexshard: $(STAMP)
 	for v in calibrated:flexshard_model zipf1:flexshard_model_zipf1; do \
@@ -216,8 +220,16 @@ flexshard: $(STAMP)
 		$(PY) shard.py task_file=$$d/task.json algorithms=$(FS_ALGOS) evaluate=traffic traffic.eval_batches=2 out_dir=$$d/shard && \
 		$(PY) scripts/flexshard_curve.py $$d/task.json --factors 1.0,1.05,1.1,1.25,1.5,2 --out $$d/curve || exit 1; \
 	done
+	$(PY) scripts/flexshard_heldout.py tasks --out $(FS)/heldout --num-tasks 10 --seed 1
+	$(PY) shard.py task_file=$(FS)/heldout/tasks algorithms=$(FS_ALGOS) evaluate=traffic traffic.eval_batches=2 \
+		out_dir=$(FS)/heldout/shard
+	$(PY) scripts/flexshard_heldout.py claims $(FS)/calibrated/shard/report.json $(FS)/zipf1/shard/report.json \
+		$(FS)/heldout/shard/report.json --out $(FS)/claims
 	$(PY) scripts/bench_flexshard_planning.py
-	$(TORCHRUN4) train.py stage=sequence_throughput experiment=flexshard_e2e out_dir=$(FS)/e2e
+
+flexshard-measured: $(STAMP)
+	$(PY) train.py stage=sequence_throughput experiment=flexshard_e2e cluster=emulated out_dir=$(FS)/e2e_cluster
+	$(PY) train.py stage=throughput experiment=e2e_cluster cluster=emulated out_dir=experiments/e2e_cluster
 
 # The drop-in planner (docs/torchrec.md): one TorchRec module (24 tables of the synthetic pool, 2 of
 # them constrained to data_parallel, 2 CPU ranks) planned by TorchRec's EmbeddingShardingPlanner

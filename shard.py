@@ -114,7 +114,10 @@ def run(cfg: DictConfig) -> float | None:
         metric = {"measured": "measured_cost_ms", "traffic": "modeled_comm_ms"}.get(cfg.evaluate, "estimated_cost_ms")
         shown = metric if cfg.evaluate != "none" else "search_seconds"  # what the tables compare
         summary = summarize(results, shown)
-        written = _write_outputs(staging, cfg, tasks, results, summary, metric, judge, probe)
+        from embshard.hardware.evaluator import HardwareEvaluator
+
+        network = evaluator.network if isinstance(evaluator, HardwareEvaluator) else None
+        written = _write_outputs(staging, cfg, tasks, results, summary, metric, judge, probe, network)
         if not cfg.task_file:
             written.insert(0, "default_tasks/")
         _publish(staging, out_dir)
@@ -208,7 +211,7 @@ def _estimate_caption(judge: dict[str, str | None], results) -> str:
 
 
 def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metric: str,
-                   judge: dict[str, str | None] | None, probe=None) -> list[str]:
+                   judge: dict[str, str | None] | None, probe=None, network: list[dict] | None = None) -> list[str]:
     """Write everything into `staging`; returns the names written (what the run may claim)."""
     from embshard.io import write_json_atomic, write_text_atomic
     from embshard.report import plot_costs, vs_best_heuristic
@@ -232,6 +235,8 @@ def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metr
         # the measurement protocol and the speed probe of this measuring session (null: none)
         "measure": OmegaConf.to_container(cfg.measure, resolve=True) if cfg.evaluate == "measured" else None,
         "probe": probe.to_dict() if probe is not None else None,
+        # evaluate=measured: the network each measuring call's all-to-alls ran on (conf/cluster/)
+        "network": network,
         "tasks": [t.name for t in tasks],
         # per result: the ratio to its task's best heuristic, with the paired interval
         "results": [r.to_dict() | {"vs_best_heuristic": vs_heur.get((r.task, r.algorithm))} for r in results],

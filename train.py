@@ -14,6 +14,7 @@ pre-training, and end-to-end DLRM training under sharding plans.
         dlrm.plans=[neuroshard,torchrec,pile_up]                              # samples/s per plan
     python train.py stage=sequence_task experiment=flexshard_e2e out_dir=DIR  # FlexShard: a sequence task
     torchrun --nproc_per_node 4 train.py stage=sequence_throughput experiment=flexshard_e2e  # sequence DLRM per plan
+    python train.py stage=sequence_throughput experiment=flexshard_e2e cluster=emulated  # on 2 emulated hosts
 
 Each stage is a config, conf/stage/<name>.yaml: `_target_` names its function
 (src/embshard/stages.py) and `reads` the keys it takes, which is all it is given;
@@ -25,6 +26,7 @@ its outputs.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +34,7 @@ import hydra
 from omegaconf import DictConfig
 
 from embshard.cli import one_line_errors, refuse_unknown_keys
+from embshard.errors import InputError
 
 ROOT = Path(__file__).resolve().parent
 
@@ -47,7 +50,18 @@ def run(cfg: DictConfig) -> float | None:
 
     from embshard.stages import stage_view
 
-    return get_method(cfg.stage._target_)(stage_view(cfg))
+    view = stage_view(cfg)
+    if cfg.cluster.kind not in ("loopback", "emulated"):
+        raise InputError(f"cluster must be loopback or emulated, got {cfg.cluster.kind!r}")
+    if cfg.cluster.kind == "emulated":
+        from embshard.hardware.cluster import ENV_HOST
+        from embshard.stages import run_on_cluster
+
+        if cfg.stage.name not in ("throughput", "sequence_throughput"):
+            raise InputError(f"cluster=emulated runs stage=throughput or stage=sequence_throughput, not {cfg.stage.name}")
+        if ENV_HOST not in os.environ:  # this process starts the hosts; the ones it starts run the stage
+            return run_on_cluster(view)
+    return get_method(cfg.stage._target_)(view)
 
 
 def refuse_unknown_stage(argv: list[str]) -> None:

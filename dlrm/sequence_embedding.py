@@ -13,10 +13,13 @@ table's rows spread over devices as the plan says, replicas included. Per step:
    replicated rows are local lookups) and an all-to-all returns the embeddings; the backward
    of that all-to-all sends the gradients back to the rows' holders (autograd);
 4. after backward, `sync_replica_grads()` all-reduces the gradients of every replicated piece
-   among its holders (hierarchically: routing.sync_schedule).
+   among its holders, hierarchically (embshard.flexshard.routing): under a `sparse_sync` plan
+   only the rows some holder looked up in the step (routing.SparseSync), otherwise every row
+   (routing.sync_schedule).
 
-Each local piece of a table is its own Parameter: replicated pieces get dense gradients (they
-are all-reduced), the others sparse ones (torch.optim.SGD / Adagrad take both). Every
+Each local piece of a table is its own Parameter with sparse gradients, except replicated
+pieces of dense-sync plans, whose dense gradients are all-reduced (torch.optim.SGD / Adagrad
+take both). Every
 collective counts the bytes it sends to each peer by purpose and link class, and times
 itself, so a run reports exactly what crossed which link (`comm_bytes`, `comm_seconds`); the
 counts equal embshard.flexshard.traffic's model of the same batches (tests/test_flexshard_data_path.py).
@@ -24,7 +27,6 @@ counts equal embshard.flexshard.traffic's model of the same batches (tests/test_
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -35,8 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from embshard.errors import PlanError
-from embshard.flexshard.routing import SYNC_PHASES, SYNC_REDUCES, plan_routes, sync_groups, sync_schedule
-from embshard.flexshard.traffic import FLOAT_BYTES, ID_BYTES, PURPOSES
+from embshard.flexshard.routing import (SYNC_PHASES, SYNC_REDUCES, SparseSync, plan_routes, sync_groups,
+                                        sync_schedule)
+from embshard.flexshard.traffic import PURPOSES
+from embshard.hardware.protocol import Stopwatch
+
+#: collectives are timed by the measurement protocol's wall clock (their cost is waiting and moving bytes)
+_WALL = Stopwatch("wall")
 from embshard.plan import Plan
 from embshard.task import Task
 
@@ -68,6 +75,7 @@ class CommLedger:
         self.pair_bytes = {p: np.zeros(n) for p in PURPOSES}
 
     def add(self, purpose: str, split_elements: list[int], element_bytes: int, seconds: float) -> None:
+        """Count `split_elements[peer]` elements of `element_bytes` each sent to every other peer."""
         for peer, n in enumerate(split_elements):
             if peer == self.rank or not n:
                 continue
@@ -78,14 +86,13 @@ class CommLedger:
 
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                group, ledger: CommLedger, purpose: str, element_bytes: int) -> torch.Tensor:
+                group, ledger: CommLedger, purpose: str) -> torch.Tensor:
+    """all_to_all_single, counted in the ledger in bytes of the tensor's own element size (not
+    the traffic model's constants, so the two counts are independent)."""
     if ledger.barrier_first:
-        t0 = time.perf_counter()
-        dist.barrier(group=group)
-        ledger.wait_seconds[purpose] += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
-    ledger.add(purpose, in_splits, element_bytes, time.perf_counter() - t0)
+        ledger.wait_seconds[purpose] += _WALL.time(lambda: dist.barrier(group=group)) / 1e3
+    ms = _WALL.time(lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group))
+    ledger.add(purpose, in_splits, inp.element_size(), ms / 1e3)
     if ledger.record is not None:
         ledger.record.append((purpose, list(out_splits), list(in_splits), inp.dtype))
     return out
@@ -103,9 +110,7 @@ def replay_collectives(collectives: list, group=None, empty: bool = False) -> di
         inp = torch.ones(sum(in_splits), dtype=dtype)
         out = torch.empty(sum(out_splits), dtype=dtype)
         dist.barrier(group=group)
-        t0 = time.perf_counter()
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
-        total[purpose] += time.perf_counter() - t0
+        total[purpose] += _WALL.time(lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)) / 1e3
     return total
 
 
@@ -116,13 +121,13 @@ class _EmbeddingAllToAll(torch.autograd.Function):
     def forward(ctx, flat: torch.Tensor, out_splits: list[int], in_splits: list[int], group, ledger: CommLedger):
         ctx.splits, ctx.group, ctx.ledger = (out_splits, in_splits), group, ledger
         out = flat.new_empty(sum(out_splits))
-        return _all_to_all(out, flat.contiguous(), out_splits, in_splits, group, ledger, "embeddings_fw", FLOAT_BYTES)
+        return _all_to_all(out, flat.contiguous(), out_splits, in_splits, group, ledger, "embeddings_fw")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty(sum(in_splits))
-        _all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.group, ctx.ledger, "gradients_bw", FLOAT_BYTES)
+        _all_to_all(back, grad.contiguous(), in_splits, out_splits, ctx.group, ctx.ledger, "gradients_bw")
         return back, None, None, None, None
 
 
@@ -191,7 +196,10 @@ class ShardedSequenceEmbedding(nn.Module):
                 w = weights[t.name][orig].clone().float() if weights is not None else init_rows(orig, t.dim, ti, seed, init_scale)
                 self.params[pname] = nn.Parameter(w)
                 self.pieces[t.name].append(LocalPiece(s.row_offset, s.rows, copies[s.rectangle] > 1, pname))
-        self._sync = self._sync_plan()
+        if plan.sparse_sync:
+            self._sparse = self._sparse_sync_plan()
+        else:
+            self._sync = self._sync_plan()
 
     # ------------------------------------------------------------------ forward
     def forward(self, ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -213,11 +221,11 @@ class ShardedSequenceEmbedding(nn.Module):
             inverse.append(inv)
         # 1. counts, 2. ids (dest-major, table-minor)
         recv_counts = torch.empty_like(counts)
-        _all_to_all(recv_counts.view(-1), counts.view(-1), [T] * D, [T] * D, self.group, self.ledger, "ids", ID_BYTES)
+        _all_to_all(recv_counts.view(-1), counts.view(-1), [T] * D, [T] * D, self.group, self.ledger, "ids")
         send_ids = torch.cat([q.split(counts[:, i].tolist())[d] for d in range(D) for i, q in enumerate(queries)])
         recv_ids = send_ids.new_empty(int(recv_counts.sum()))
         _all_to_all(recv_ids, send_ids, recv_counts.sum(1).tolist(), counts.sum(1).tolist(), self.group, self.ledger,
-                    "ids", ID_BYTES)
+                    "ids")
         # 3. local lookups of what was received (src-major, table-minor), then embeddings back
         blocks = recv_ids.split(recv_counts.view(-1).tolist())
         looked = []
@@ -248,7 +256,8 @@ class ShardedSequenceEmbedding(nn.Module):
         for k, p in enumerate(pieces):
             sel = torch.nonzero(which == k).view(-1)
             if sel.numel():
-                parts.append(F.embedding(rows[sel] - p.start, self.params[p.param_name], sparse=not p.replicated))
+                sparse = self.plan.sparse_sync or not p.replicated
+                parts.append(F.embedding(rows[sel] - p.start, self.params[p.param_name], sparse=sparse))
                 where.append(sel)
         if parts:
             out = out.index_put((torch.cat(where),), torch.cat(parts))
@@ -287,11 +296,37 @@ class ShardedSequenceEmbedding(nn.Module):
                         phases[k][1].append((src, pname, start, length))
         return [(sorted(s, key=lambda x: x[0]), sorted(r, key=lambda x: x[0])) for s, r in phases]
 
+    def _sparse_sync_plan(self) -> dict:
+        """This rank's groups (rule, param name, width), per phase its peers in ascending order
+        with the groups it shares with each (global group order: every rank agrees), and which
+        phases any rank uses."""
+        me, names = self.rank, {}
+        for t in self.tables:
+            for p in self.pieces[t.name]:
+                names[(t.name, p.start)] = p.param_name
+        mine, active = {}, [False] * len(SYNC_PHASES)
+        per_phase: list[dict[int, list[int]]] = [{} for _ in SYNC_PHASES]
+        for g, group in enumerate(sync_groups(self.task, self.plan)):
+            rule = SparseSync.of(group, self.task.devices_per_host)
+            for k in range(len(SYNC_PHASES)):
+                active[k] |= any(rule.peers(k, m) for m in group.members)
+            if me not in group.members:
+                continue
+            mine[g] = (rule, names[(group.table, group.row_offset)], group.dim, group.rows)
+            for k in range(len(SYNC_PHASES)):
+                for peer in rule.peers(k, me):
+                    per_phase[k].setdefault(peer, []).append(g)
+        return {"groups": mine, "active": active,
+                "peers": [sorted(d.items()) for d in per_phase]}
+
     def sync_replica_grads(self) -> None:
         """All-reduce (sum) the gradients of every replicated piece among its holders.
 
         Every rank must call it after backward, in step (each phase is a collective).
         """
+        if self.plan.sparse_sync:
+            self._sync_sparse()
+            return
         grads = {}
         for pieces in self.pieces.values():
             for p in pieces:
@@ -310,7 +345,7 @@ class ShardedSequenceEmbedding(nn.Module):
                 out_splits[src] += n
             buf = torch.cat([grads[pn][a:a + n] for _, pn, a, n in sends]) if sends else torch.zeros(0)
             got = buf.new_empty(sum(out_splits))
-            _all_to_all(got, buf, out_splits, in_splits, self.group, self.ledger, "replica_sync", FLOAT_BYTES)
+            _all_to_all(got, buf, out_splits, in_splits, self.group, self.ledger, "replica_sync")
             offset = 0
             for _, pn, a, n in recvs:
                 if reduce:
@@ -318,6 +353,81 @@ class ShardedSequenceEmbedding(nn.Module):
                 else:
                     grads[pn][a:a + n] = got[offset:offset + n]
                 offset += n
+
+    def _sync_sparse(self) -> None:
+        """routing.SparseSync on this rank's touched rows: per phase, a count per peer and group
+        (int64), then the rows (int64 id as two fp32 words, then the fp32 gradients of those
+        rows, per peer and group); received rows are summed in (reduce-scatter) or added to
+        the held ones (all-gather: they are disjoint). Ends with every replicated piece's
+        gradient a sparse tensor of the rows any holder touched, summed over holders."""
+        plan = self._sparse
+        state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for g, (_, pname, dim, _) in plan["groups"].items():
+            grad = self.params[pname].grad
+            if grad is None:
+                state[g] = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dim))
+            else:
+                grad = grad.coalesce()
+                state[g] = (grad.indices()[0], grad.values())
+        for k, active in enumerate(plan["active"]):
+            if not active:
+                continue
+            outgoing: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+            kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for g, (rule, _, _, _) in plan["groups"].items():
+                rows, vals = state[g]
+                sends, keep = rule.sends(k, self.rank, rows.numpy())
+                for peer, pos in sends.items():
+                    pos_t = torch.from_numpy(pos)
+                    outgoing[(peer, g)] = (rows[pos_t], vals[pos_t])
+                keep_t = torch.from_numpy(keep)
+                kept[g] = (rows[keep_t], vals[keep_t])
+            empty = (torch.zeros(0, dtype=torch.int64), None)
+            peers = plan["peers"][k]
+            counts = torch.tensor([outgoing.get((peer, g), empty)[0].numel() for peer, gs in peers for g in gs],
+                                  dtype=torch.int64)
+            splits = [0] * self.world
+            for peer, gs in peers:
+                splits[peer] = len(gs)
+            got_counts = torch.empty_like(counts)
+            _all_to_all(got_counts, counts, splits, splits, self.group, self.ledger, "replica_sync")
+            parts, in_splits, out_splits = [], [0] * self.world, [0] * self.world
+            i = 0
+            for peer, gs in peers:
+                for g in gs:
+                    dim = plan["groups"][g][2]
+                    if (peer, g) in outgoing:
+                        rows, vals = outgoing[(peer, g)]
+                        parts += [rows.view(torch.float32), vals.reshape(-1)]
+                        in_splits[peer] += rows.numel() * (2 + dim)
+                    out_splits[peer] += int(got_counts[i]) * (2 + dim)
+                    i += 1
+            buf = torch.cat(parts) if parts else torch.zeros(0)
+            got = buf.new_empty(sum(out_splits))
+            _all_to_all(got, buf, out_splits, in_splits, self.group, self.ledger, "replica_sync")
+            incoming: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            offset, i = 0, 0
+            for peer, gs in peers:
+                for g in gs:
+                    dim, n = plan["groups"][g][2], int(got_counts[i])
+                    i += 1
+                    if n:
+                        rows = got[offset:offset + 2 * n].clone().view(torch.int64)
+                        vals = got[offset + 2 * n:offset + n * (2 + dim)].view(n, dim)
+                        incoming.setdefault(g, []).append((rows, vals))
+                        offset += n * (2 + dim)
+            for g, (rows, vals) in kept.items():
+                more = incoming.get(g, [])
+                if more:
+                    rows = torch.cat([rows] + [r for r, _ in more])
+                    vals = torch.cat([vals] + [v for _, v in more])
+                    rows, inverse = torch.unique(rows, return_inverse=True)
+                    vals = torch.zeros(rows.numel(), vals.shape[1]).index_add_(0, inverse, vals)
+                state[g] = (rows, vals)
+        for g, (_, pname, dim, nrows) in plan["groups"].items():
+            rows, vals = state[g]
+            self.params[pname].grad = torch.sparse_coo_tensor(rows[None], vals, (nrows, dim), is_coalesced=True,
+                                                              check_invariants=False)  # rows: sorted, distinct
 
     # ------------------------------------------------------------------ inspection
     def local_rows(self, table: str) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:

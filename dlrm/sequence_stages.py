@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -151,12 +152,20 @@ def run_sequence_throughput(cfg: DictConfig, make_sharder, known_planners, defau
             comparison = compare_with_model(task, plans, comm, timed)
             for label, seconds in replay.items():
                 comparison[label]["replayed_comm_ms"] = seconds
+            focus = s.get("focus") or next(iter(plans))
+            if focus not in plans:
+                raise InputError(f"sequence.focus={focus!r} is not one of the plans {list(plans)}")
+            claims = compare_plans(summary, comparison, focus, s.confidence)
+            from embshard.hardware.cluster import network_info
+
             result = {
                 "task": task.name, "tables": len(task.tables), "world_size": ranks.world_size, "backend": session.backend,
+                "network": network_info(),
                 "hosts": task.hosts, "devices_per_host": task.devices_per_host, "global_batch": global_batch,
                 "replayed_steps": steps, "fitted_on_steps": {k: v for k, v in fitted.items()},
                 "warmup_steps": s.warmup_steps, "rounds": s.rounds, "steps_per_round": s.steps_per_round,
-                **summary, "communication": comparison, "loss_per_block": losses, "records": records,
+                **summary, "communication": comparison, "claims": claims, "loss_per_block": losses,
+                "records": records,
             }
             out_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
@@ -168,6 +177,7 @@ def run_sequence_throughput(cfg: DictConfig, make_sharder, known_planners, defau
                             title=f"{task.name}: sequence DLRM, {task.hosts} hosts x {task.devices_per_host} gloo processes")
             print("\n" + format_summary(summary))
             print(format_comm(comparison))
+            print(format_claims(claims))
             print(f"wrote {out_dir}")
             best = summary["plans"][summary["order"][0]]["samples_per_s"]["mean"]
         else:
@@ -205,10 +215,60 @@ def replay_comm(session, models: dict, batch, repetitions: int) -> dict[str, dic
         total = [sum(x.values()) for x in times[label]]
         q1, med, q3 = np.percentile(total, [25, 50, 75]) if total else (0.0, 0.0, 0.0)
         out[label] = {"median_ms": float(med), "iqr_ms": float(q3 - q1), "repetitions": len(total),
+                      "per_repetition_ms": [float(x) for x in total],
                       "collectives": len(recorded[label]),
                       "median_ms_by_purpose": {p: float(np.median([x[p] for x in times[label]])) for p in PURPOSES},
                       "floor_ms": float(np.median([sum(x.values()) for x in floor[label]])) if floor[label] else 0.0}
     return out
+
+
+def compare_plans(summary: dict, comparison: dict, focus: str, confidence: float) -> dict:
+    """`focus` against every other plan, paired: its replayed communication time / theirs per
+    repetition (plans interleaved in each), its samples/s / theirs per round, each mean with its
+    bootstrap interval (embshard.stats); and Kendall's tau between each plan's measured
+    communication (replayed median) and the traffic model's modeled ms (1: the same order)."""
+    from embshard.stats import kendall_tau_b, paired_ratio_summary
+
+    labels = list(comparison)
+    out: dict[str, Any] = {"focus": focus, "comm_ratio": {}, "samples_per_s_ratio": {}}
+    mine = comparison[focus].get("replayed_comm_ms", {}).get("per_repetition_ms", [])
+    rounds = summary["plans"][focus]["samples_per_s"]["per_round"]
+    for other in labels:
+        if other == focus:
+            continue
+        theirs = comparison[other].get("replayed_comm_ms", {}).get("per_repetition_ms", [])
+        if mine and theirs and min(mine + theirs) > 0:
+            out["comm_ratio"][other] = paired_ratio_summary(
+                [a / b for a, b in zip(mine, theirs)], confidence).to_dict()
+        per_round = summary["plans"][other]["samples_per_s"]["per_round"]
+        ratio = paired_ratio_summary([a / b for a, b in zip(rounds, per_round)], confidence).to_dict()
+        ratio.pop("verdict")  # (its sense is "costs less"; for samples/s the question is "above 1")
+        ratio["above"] = ratio["n"] >= 2 and ratio["low"] > 1.0
+        out["samples_per_s_ratio"][other] = ratio
+    measured = [comparison[p].get("replayed_comm_ms", {}).get("median_ms", float("nan")) for p in labels]
+    modeled = [comparison[p]["modeled_comm_ms"] for p in labels]
+    training = [comparison[p]["measured_comm_ms_per_step"] for p in labels]
+    tau = kendall_tau_b(measured, modeled)
+    out["kendall_tau_replayed_comm_vs_modeled"] = None if math.isnan(tau) else tau
+    tau = kendall_tau_b(training, modeled)
+    out["kendall_tau_training_comm_vs_modeled"] = None if math.isnan(tau) else tau
+    out["order_modeled"] = [labels[i] for i in np.argsort(modeled, kind="stable")]
+    out["order_replayed_comm"] = [labels[i] for i in np.argsort(measured, kind="stable")]
+    return out
+
+
+def format_claims(claims: dict) -> str:
+    f = claims["focus"]
+    lines = [f"{f} against each plan (paired; mean [95% bootstrap]):"]
+    for other, r in claims["comm_ratio"].items():
+        t = claims["samples_per_s_ratio"][other]
+        lines.append(f"  vs {other:16s} replayed comm {r['mean']:.3f}x [{r['low']:.3f}, {r['high']:.3f}] {r['verdict']:13s}"
+                     f"  samples/s {t['mean']:.3f}x [{t['low']:.3f}, {t['high']:.3f}]")
+    lines.append(f"Kendall tau, measured vs modeled comm: replayed {claims['kendall_tau_replayed_comm_vs_modeled']}, "
+                 f"in training {claims['kendall_tau_training_comm_vs_modeled']}")
+    lines.append(f"order modeled: {' < '.join(claims['order_modeled'])}")
+    lines.append(f"order replayed: {' < '.join(claims['order_replayed_comm'])}")
+    return "\n".join(lines)
 
 
 def compare_with_model(task: Task, plans: dict[str, Plan], comm: dict[str, list], timed_steps: Sequence[int]) -> dict:

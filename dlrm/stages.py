@@ -56,6 +56,8 @@ def load_task(d: DictConfig, dataset_path: Callable[[], Path], seed: int, local_
         device_memory_bytes=spec.device_memory_bytes, batch_size=spec.batch_size,
         optimizer=spec.optimizer, seed=seed, name_prefix=spec.name,
     )
+    if spec.get("devices_per_host"):
+        task = Task.from_dict({**task.to_dict(), "devices_per_host": spec.devices_per_host})
     return task
 
 
@@ -241,8 +243,11 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
         )
         summary = summarize_throughput(records, reference, run.global_batch, confidence=d.confidence)
         lookup_ms = _lookup_ms_per_step(records, d.steps_per_round)
+        from embshard.hardware.cluster import network_info
+
         result = {
             **run.describe(),
+            "network": network_info(),
             "warmup_steps": d.warmup_steps,
             "rounds": d.rounds,
             "steps_per_round": d.steps_per_round,

@@ -37,7 +37,9 @@ def sharders(fit_batches: int) -> dict:
         "table_row_wise": TableRowWiseSharder(),
         "hugectr_hybrid": HugeCTRHybridSharder(fit_batches=fit_batches),
         "flexshard": FlexShardSharder(fit_batches=fit_batches),
-        "flexshard_dedup": FlexShardSharder(fit_batches=fit_batches, dedup_ids=True, name="flexshard_dedup"),
+        # ablations of what FlexShard ships: without TorchRec's id dedup, with the dense replica sync
+        "flexshard_no_dedup": FlexShardSharder(fit_batches=fit_batches, dedup_ids=False, name="flexshard_no_dedup"),
+        "flexshard_dense_sync": FlexShardSharder(fit_batches=fit_batches, sparse_sync=False, name="flexshard_dense_sync"),
     }
 
 
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("task")
     ap.add_argument("--factors", default="1.0,1.05,1.1,1.25,1.5,2,3")
-    ap.add_argument("--algorithms", default="row_wise,row_wise_dedup,table_row_wise,hugectr_hybrid,flexshard,flexshard_dedup")
+    ap.add_argument("--algorithms", default="row_wise,row_wise_dedup,table_row_wise,hugectr_hybrid,flexshard,"
+                                            "flexshard_no_dedup,flexshard_dense_sync")
     ap.add_argument("--fit-batches", type=int, default=4)
     ap.add_argument("--eval-batches", type=int, default=2)
     ap.add_argument("--out", required=True)
@@ -117,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         print(f"error: --factors must be numbers >= 1, got {args.factors!r}", file=sys.stderr)
+        return 2
+    unknown = sorted(set(args.algorithms.split(",")) - set(sharders(args.fit_batches)))
+    if unknown:
+        print(f"error: unknown algorithm(s) {unknown}; known: {', '.join(sharders(args.fit_batches))}", file=sys.stderr)
         return 2
     try:
         data = curve(Task.load(args.task), factors, args.fit_batches, args.eval_batches, args.algorithms.split(","))

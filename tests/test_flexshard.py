@@ -18,7 +18,9 @@ from embshard import InputError, Plan, PlanError, Shard, Table, Task, validate
 from embshard.errors import InfeasibleError
 from embshard.flexshard.baselines import (DataParallelSharder, HugeCTRHybridSharder, RowWiseSharder,
                                           TableRowWiseSharder, hugectr_threshold_per_step)
-from embshard.flexshard.layout import Tiers, tier_layout
+from embshard.flexshard.layout import Tiers, balance_placement, host_rotation, tier_layout
+from embshard.flexshard.routing import SparseSync, SyncGroup, plan_routes
+from embshard.flexshard.tiers import TierProblem, cuts_at, tier_costs
 from embshard.flexshard.rowmap import RowMap
 from embshard.flexshard.stats import BatchSplit, count_rows, step_batch, table_access_stats
 from embshard.flexshard.traffic import TrafficModel, phase_ms
@@ -66,6 +68,14 @@ def test_bad_topology_is_an_input_error(change, message):
         Task.from_dict(d)
 
 
+def test_reuse_histogram_must_sum_to_one_up_to_rounding():
+    rounded = [0.3333, 0.3333, 0.3333] + [0.0] * 14  # shares rounded to 4 decimals: 0.9999
+    assert Table("a", 5, 4, 1.0, reuse_histogram=rounded).reuse_histogram == tuple(rounded)
+    for bad in ([0.5, 0.6] + [0.0] * 15, [0.0] * 17, [0.9] + [0.0] * 16):  # 1.1, nothing, 0.9
+        with pytest.raises(InputError, match="reuse_histogram .* must sum to 1"):
+            Table("a", 5, 4, 1.0, reuse_histogram=bad)
+
+
 def test_bad_table_kind_is_an_input_error():
     with pytest.raises(InputError, match="kind must be one of"):
         Table.from_dict({"name": "a", "rows": 5, "dim": 4, "pooling_factor": 1.0, "kind": "jagged"})
@@ -90,7 +100,9 @@ def tiered_st(draw):
     for t in task.tables:
         hot = rng.permutation(t.rows)[: draw(st.integers(0, t.rows))]
         g = draw(st.integers(0, hot.size))
-        front, shards = tier_layout(task, t, hot, Tiers(g, draw(st.integers(0, hot.size - g))))
+        h = draw(st.integers(0, hot.size - g))
+        placed = rng.integers(0, task.num_devices, size=draw(st.integers(0, hot.size - g - h)))
+        front, shards = tier_layout(task, t, hot, Tiers(g, h, placed))
         plan.shards += shards
         if front.size:
             plan.row_maps[t.name] = front
@@ -102,9 +114,7 @@ def tiered_st(draw):
 def test_validator_accepts_tiered_plans_and_rejects_broken_replicas(case, data):
     task, plan = case
     validate(task, plan)
-    used = plan.memory_bytes(task)
-    assert sum(used) == sum(task.shard_memory_bytes(task.table(s.table), s.rows, s.dim, sum(
-        x.rectangle == s.rectangle for x in plan.shards)) for s in plan.shards)
+    used = plan.memory_bytes(task)  # its value is checked by hand in test_tier_memory_by_hand
     tight = Task.from_dict({**task.to_dict(), "device_memory_bytes": max(used)})
     validate(tight, plan)
     with pytest.raises(PlanError, match="over by"):
@@ -113,22 +123,178 @@ def test_validator_accepts_tiered_plans_and_rejects_broken_replicas(case, data):
     if copies:
         i = data.draw(st.sampled_from(copies))
         s = plan.shards[i]
-        broken = {
-            "copy on the same device": Shard(s.table, next(x.device for x in plan.shards if x.rectangle == s.rectangle
-                                                           and x.replica == 0), 0, s.dim, s.row_offset, s.rows, s.replica),
-            "copy of nothing": Shard(s.table, s.device, 0, s.dim, s.row_offset, s.rows + 1, s.replica),
-            "repeated replica index": Shard(s.table, (s.device + 1) % task.num_devices, 0, s.dim, s.row_offset, s.rows, 0),
+        holders = [x for x in plan.shards if x.rectangle == s.rectangle]
+        others = sorted(x.replica for x in holders if x.replica not in (0, s.replica))
+        broken = {  # (the broken copy, what the validator must say)
+            "copy on the device of replica 0": (
+                Shard(s.table, next(x.device for x in holders if x.replica == 0), 0, s.dim, s.row_offset, s.rows,
+                      s.replica), "have two copies with device"),
+            "repeated replica index": (
+                (Shard(s.table, s.device, 0, s.dim, s.row_offset, s.rows, others[0]), "have two copies with replica index")
+                if others else  # only replica 0 to repeat: replica 0 then covers these rows twice
+                (Shard(s.table, s.device, 0, s.dim, s.row_offset, s.rows, 0), "is covered twice")),
         }
-        for what, bad in broken.items():
+        if s.rows > 1:
+            broken["copy of nothing"] = (Shard(s.table, s.device, 0, s.dim, s.row_offset, s.rows - 1, s.replica),
+                                         "copies no replica-0 shard")
+        for what, (bad, message) in broken.items():
             shards = list(plan.shards)
             shards[i] = bad
-            with pytest.raises(PlanError):
+            with pytest.raises(PlanError, match=message):
                 validate(task, Plan(plan.task, plan.algorithm, shards, plan.row_maps))
     primary = [i for i, s in enumerate(plan.shards) if s.replica == 0]
     drop = data.draw(st.sampled_from(primary))
     dropped = [s for j, s in enumerate(plan.shards) if j != drop]
-    with pytest.raises(PlanError):
+    with pytest.raises(PlanError, match="uncovered|is not placed on any device"):
         validate(task, Plan(plan.task, plan.algorithm, dropped, plan.row_maps))
+
+
+def test_tier_memory_by_hand():
+    # one table of 10 rows, width 4, 2 samples of 2 ids... batch 10 x pooling 2 = 20 lookups a step;
+    # 2 hosts x 2 devices; 2 rows replicated, 4 per host (2 per device), 4 split (1 per device)
+    t = Table("s", 10, 4, 2.0, kind="sequence")
+    task = Task("hand", 4, 1 << 20, 10, (t,), devices_per_host=2)
+    front, shards = tier_layout(task, t, np.arange(10), Tiers(2, 4))
+    plan = Plan(task.name, "hand", shards, {"s": front})
+    validate(task, plan)
+    # per device: weights of 2 + 2 + 1 rows (5 x 16 B) and the outputs + gradients (2 x 16 B each)
+    # of its share of the 20 lookups: replicated 20 * 2/10 / 4 copies = 1, per host
+    # 20 * 2/10 / 2 copies = 2, split 20 * 1/10 = 2  ->  80 + 32 * (1 + 2 + 2) = 240
+    assert plan.memory_bytes(task) == [240] * 4
+
+
+def test_sparse_sync_rule_by_hand():
+    # rows 0..9 on 2 hosts x 2 devices; owners: inside a host r mod 2, between the two hosts an exchange
+    rule = SparseSync(SyncGroup("s", 0, 10, 0, 4, (0, 1, 2, 3)), ((0, 1), (2, 3)), True, rotation=0)
+    held = {0: np.array([0, 1, 5]), 1: np.array([1, 2]), 2: np.array([], dtype=np.int64), 3: np.array([5, 6])}
+    want_sent = [  # phase -> {(src, dst): rows}
+        {(0, 1): [1, 5], (1, 0): [2], (3, 2): [6]},
+        {(0, 2): [0, 2], (2, 0): [6], (1, 3): [1, 5], (3, 1): [5]},
+        {},
+        {(0, 1): [0, 2, 6], (1, 0): [1, 5], (2, 3): [0, 2, 6], (3, 2): [1, 5]},
+    ]
+    for phase, want in enumerate(want_sent):
+        sent, nxt = {}, {}
+        for d, rows in held.items():
+            sends, keep = rule.sends(phase, d, rows)
+            for peer, pos in sends.items():
+                sent[(d, peer)] = rows[pos].tolist()
+            nxt[d] = [rows[keep]]
+        for (d, peer), rows in sent.items():
+            nxt[peer].append(np.array(rows, dtype=np.int64))
+        held = {d: np.unique(np.concatenate(v)) for d, v in nxt.items()}
+        assert sent == want, phase
+    assert all(rows.tolist() == [0, 1, 2, 5, 6] for rows in held.values())  # everyone: every touched row
+    assert [rule.peers(k, 0) for k in range(4)] == [[1], [2], [], [1]]
+
+
+def test_traffic_model_counts_the_sparse_sync_by_hand():
+    name = next(f"s{i}" for i in range(100) if host_rotation(Table(f"s{i}", 10, 4, 1.0), 2) == 0
+                and SparseSync.of(SyncGroup(f"s{i}", 0, 10, 0, 4, (0, 1, 2, 3)), 2).rotation % 2 == 0)
+    t = Table(name, 10, 4, 2.0, kind="sequence")
+    task = Task("hand", 4, 1 << 20, 4, (t,), devices_per_host=2)
+    front, shards = tier_layout(task, t, np.arange(10), Tiers(10, 0))  # every row on every device
+    plan = Plan(task.name, "hand", shards, {name: front}, sparse_sync=True)
+    # one sample per device: device 0 looks up 0, 1, 5; device 1 1, 2; device 2 nothing; device 3 5, 6
+    step = TrafficModel(task, plan).step({name: (np.array([0, 1, 5, 1, 2, 5, 6]), np.array([3, 2, 0, 2]))})
+    sync = step.purpose_matrix("replica_sync")
+    row = 8 + 4 * 4  # int64 row id + 4 fp32
+    rows = np.zeros((4, 4))  # test_sparse_sync_rule_by_hand's transfers, summed over phases
+    for (a, b), n in {(0, 1): 2 + 3, (1, 0): 1 + 2, (3, 2): 1 + 2, (0, 2): 2, (2, 0): 1, (1, 3): 2, (3, 1): 1,
+                      (2, 3): 3}.items():
+        rows[a, b] = n
+    counts = np.array([[0, 2, 1, 0], [2, 0, 0, 1], [1, 0, 0, 2], [0, 1, 2, 0]]) * 8  # one int64 per peer and phase
+    assert sync.tolist() == (rows * row + counts).tolist()
+    assert step.purpose_matrix("ids").sum() == 4 * 3 * 8  # only the split counts: every lookup is local
+
+
+def _uniform_steps(task: Task, rows: int, per_sample: int, steps: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    lengths = np.full(task.batch_size, per_sample)
+    return [{task.tables[0].name: (rng.integers(0, rows, size=task.batch_size * per_sample), lengths)}
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("tiers, dedup", [("split", True), ("split", False), ("host", True), ("all", True)])
+def test_tier_costs_are_the_traffic_models_expectation(tiers, dedup):
+    # every row of a uniform table has a = batch x length / rows accesses per step; replaying random
+    # steps through the traffic model must average to tier_costs' closed form (Poisson spread)
+    rows, per_sample = 400, 4
+    t = Table("u", rows, 8, float(per_sample), kind="sequence")
+    task = Task("u", 8, 1 << 30, 256, (t,), devices_per_host=4)
+    cut = {"split": Tiers(0, 0), "host": Tiers(0, rows), "all": Tiers(rows, 0)}[tiers]
+    front, shards = tier_layout(task, t, np.arange(rows), cut)
+    plan = Plan(task.name, tiers, shards, {"u": front} if cut.moved else {}, dedup_ids=dedup, sparse_sync=True)
+    model = TrafficModel(task, plan)
+    steps = [model.step(b) for b in _uniform_steps(task, rows, per_sample, 40)]
+    a = task.batch_size * per_sample / rows
+    intra, inter, sync = tier_costs(task, np.array([a]), np.array([t.dim]), dedup, sparse_sync=True)[tiers]
+    bw_in, bw_out = task.intra_host_gbps * 2**30 / 1e3, task.inter_host_gbps * 2**30 / 1e3
+    got = {"intra": 0.0, "inter": 0.0, "sync": 0.0}
+    for st_ in steps:
+        for purpose in ("ids", "embeddings_fw", "gradients_bw"):
+            m = st_.purpose_matrix(purpose)
+            got["intra"] += m[model.intra].sum() / bw_in
+            got["inter"] += m[~model.intra].sum() / bw_out
+        m = st_.purpose_matrix("replica_sync") - sum(model.sync.values())  # without the fixed counts
+        got["sync"] += m[model.intra].sum() / bw_in + m[~model.intra].sum() / bw_out
+    split_counts = 8 * (task.num_devices - 1) * task.num_devices  # one int64 per peer: not a row's cost
+    got["intra"] -= len(steps) * split_counts * 3 / 7 / bw_in  # 3 of a device's 7 peers share its host
+    got["inter"] -= len(steps) * split_counts * 4 / 7 / bw_out
+    want = {"intra": intra[0] * rows * task.num_devices, "inter": inter[0] * rows * task.num_devices,
+            "sync": sync[0] * rows * task.num_devices}
+    for key in want:
+        assert got[key] / len(steps) == pytest.approx(want[key], rel=0.03, abs=1e-9), key
+
+
+def test_tier_cuts_are_the_best_contiguous_cuts_by_brute_force():
+    rng = np.random.default_rng(3)
+    tables = tuple(Table(f"t{i}", 60, 4 * (1 + i), 5.0, kind="sequence") for i in range(3))
+    task = Task("bf", 8, 1 << 30, 64, tables, devices_per_host=4)
+    per_step = [np.sort(np.round(rng.pareto(1.0, 12 + 5 * i) * 4) / 4)[::-1] for i in range(3)]
+    problem = TierProblem.build(task, tables, per_step, dedup=True, sparse_sync=True)
+    D, P = 8, 4
+    for lam, theta in [(0.0, 0.0), (1e-9, 0.0), (1e-8, 1.0), (1e-7, 0.5)]:
+        sol = cuts_at(problem, lam, theta)
+        total = 0.0
+        for t, a in zip(tables, per_step):  # every (g, f) with g <= f of every table, row by row
+            c = tier_costs(task, a, np.full(a.size, t.dim), True, True)
+            m = t.dim * 4 * lam
+            row = {k: theta * v[0] + v[1] + v[2] for k, v in c.items()}
+            best = min(row["all"][:g].sum() + m * g + row["host"][g:f].sum() + m * (f - g) / P
+                       + row["split"][f:].sum() + m * (a.size - f) / D
+                       for f in range(a.size + 1) for g in range(f + 1))
+            total += best
+        c = tier_costs(task, np.concatenate(per_step), np.concatenate([np.full(a.size, t.dim) for t, a in zip(tables, per_step)]), True, True)
+        got = 0.0
+        for (t, a), cut, off in zip(zip(tables, per_step), sol.cuts, np.cumsum([0] + [a.size for a in per_step])):
+            m = t.dim * 4 * lam
+            row = {k: theta * v[0][off:off + a.size] + v[1][off:off + a.size] + v[2][off:off + a.size] for k, v in c.items()}
+            g, f = cut.replicated, cut.front
+            got += (row["all"][:g].sum() + m * g + row["host"][g:f].sum() + m * (f - g) / P
+                    + row["split"][f:].sum() + m * (a.size - f) / D)
+        assert got == pytest.approx(total, rel=1e-9), (lam, theta)
+
+
+def test_balance_placement_by_hand():
+    # rounds of 3: 10, 9, 8 to devices 0, 1, 2; then the three 1s, the first to the least loaded (2)
+    got = balance_placement([np.array([10.0, 8.0, 1.0]), np.array([9.0, 1.0, 1.0])], 3)
+    assert [g.tolist() for g in got] == [[0, 2, 2], [1, 1, 0]]
+
+
+def test_placed_global_rows_are_looked_up_on_their_devices():
+    t = Table("s", 50, 4, 2.0, kind="sequence")
+    task = Task("p", 4, 1 << 20, 8, (t,), devices_per_host=2)
+    hot = np.array([7, 3, 11, 40, 2, 9])
+    placed = np.array([3, 0, 3, 1])  # hot ranks 2..5 (after 1 replicated row and 1 per-host row)
+    front, shards = tier_layout(task, t, hot, Tiers(1, 1, placed))
+    plan = Plan(task.name, "p", shards, {"s": front})
+    validate(task, plan)
+    route = plan_routes(task, plan)["s"]
+    for row, device in zip(hot[2:], placed):
+        new = route.row_map.to_new(torch.tensor([int(row)]))
+        for src in range(4):
+            assert int(route.columns[0].route(torch.tensor([src]), new)) == device
 
 
 @settings(max_examples=40, deadline=None)
@@ -160,6 +326,26 @@ def test_plan_json_with_sidecar_row_maps_round_trips_and_rejects_tampering(tmp_p
         Plan.load(tmp_path / "p.json")
     with pytest.raises(PlanError, match="repeats a row id"):
         validate(task, Plan(task.name, "x", plan.shards, {"s0": np.array([1, 1])}))
+
+
+def test_heldout_family_draws_within_its_ranges_and_replays(tmp_path):
+    from embshard.flexshard.tasks import HeldoutFamily, heldout_draw, heldout_task
+
+    family = HeldoutFamily(log10_rows=(3.0, 4.0), mean_length=(2.0, 6.0), batch_sizes=(64,), steps=3)
+    for i in range(4):
+        d = heldout_draw(family, i, seed=5)
+        assert 2 <= d["hosts"] <= 4 and 4 <= d["devices_per_host"] <= 8 and 6 <= len(d["rows"]) <= 10
+        assert all(10**3 - 1 <= r <= 10**4 + 1 for r in d["rows"]) and all(0.6 <= z <= 1.4 for z in d["zipf"])
+        assert all(2.0 <= m <= 6.0 for m in d["mean_length"]) and set(d["dims"]) <= set(family.dims)
+    task = heldout_task(family, 1, 5, tmp_path)
+    again = heldout_task(family, 1, 5, tmp_path)  # a pure function of (seed, index); the trace is reused
+    assert task == again and task.hosts == heldout_draw(family, 1, 5)["hosts"]
+    need = max(RowWiseSharder().shard(Task.from_dict({**task.to_dict(), "device_memory_bytes": 1 << 62}))
+               .memory_bytes(task))
+    assert task.device_memory_bytes == math.ceil(1.25 * need)
+    for t in task.tables:
+        ids, lengths = step_batch(t, task.batch_size, 2, 0)  # the last of the trace's 3 steps
+        assert lengths.size == task.batch_size and ids.size == lengths.sum() and ids.max() < t.rows
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -269,6 +455,8 @@ def test_shard_evaluate_traffic_contract(tmp_path):
     ({"inter_host_gbps": -2}, "inter_host_gbps"),
     ({"tables": [{"name": "a", "rows": 5, "dim": 4, "pooling_factor": 1.0, "kind": "ragged"}]}, "kind must be"),
     ({"tables": [{"name": "a", "rows": 5, "dim": 4, "pooling_factor": -3.0, "kind": "sequence"}]}, "pooling_factor"),
+    ({"tables": [{"name": "a", "rows": 5, "dim": 4, "pooling_factor": 1.0, "kind": "sequence",
+                  "reuse_histogram": [0.5, 0.6] + [0.0] * 15}]}, "must sum to 1"),
     ("short_trace", "samples but"),
 ])
 def test_bad_topology_or_sequence_input_one_line_error_no_files(tmp_path, capsys, change, message):

@@ -35,10 +35,10 @@ def _task() -> Task:
     return Task("seq4", WORLD, 1 << 30, 32, tables, devices_per_host=2)
 
 
-def _tiered_plan(task: Task, dedup: bool) -> Plan:
+def _tiered_plan(task: Task, dedup: bool, sparse: bool) -> Plan:
     """All three tiers non-empty in every table (cuts fixed, so the test does not depend on the search)."""
     stats = task_access_stats(task, BatchSplit(2, 1))
-    plan = Plan(task.name, "flexshard_dedup" if dedup else "flexshard", dedup_ids=dedup)
+    plan = Plan(task.name, "tiers", dedup_ids=dedup, sparse_sync=sparse)
     for t, (g, h) in zip(task.tables, [(3, 6), (5, 11), (4, 9)]):
         front, shards = tier_layout(task, t, stats[t.name].ids, Tiers(g, h))
         plan.shards += shards
@@ -55,8 +55,9 @@ def test_data_path_matches_embedding_collection_and_traffic_model(tmp_path: Path
     task = _task()
     task.save(tmp_path / "task.json")
     plans = {
-        "flexshard": _tiered_plan(task, dedup=False),
-        "flexshard_dedup": _tiered_plan(task, dedup=True),
+        "flexshard": _tiered_plan(task, dedup=True, sparse=True),  # what FlexShard ships
+        "sparse_sync_no_dedup": _tiered_plan(task, dedup=False, sparse=True),
+        "dense_sync": _tiered_plan(task, dedup=False, sparse=False),  # HugeCTR's hybrid syncs so
         "row_wise": RowWiseSharder().shard(task),
         "table_row_wise": TableRowWiseSharder().shard(task),
     }

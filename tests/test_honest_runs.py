@@ -21,8 +21,7 @@ from embshard.search.neuroshard import NeuroShardSharder
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "checkpoints" / "cpu_fbgemm" / "cost_models.pt"
-SEQUENCE_ALGORITHMS = ["data_parallel", "row_wise", "row_wise_dedup", "table_row_wise", "hugectr_hybrid", "flexshard",
-                       "flexshard_dedup"]
+SEQUENCE_ALGORITHMS = ["data_parallel", "row_wise", "row_wise_dedup", "table_row_wise", "hugectr_hybrid", "flexshard"]
 POOLED_ONLY = ["neuroshard", "dreamshard", "autoshard", "torchrec"]
 
 

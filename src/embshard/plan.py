@@ -10,7 +10,9 @@ older plan JSON, which stays valid and round-trips unchanged:
   front of the table, in their new order (`front[new_id] = original row id`); the rows they
   displace take their places in order, every other row keeps its id (embshard.flexshard.rowmap).
   Shards then address rows of the remapped table. `dedup_ids` says the data path sends each
-  distinct id once per (device, table), as TorchRec's use_index_dedup.
+  distinct id once per (device, table), as TorchRec's use_index_dedup; `sparse_sync` that
+  replicas synchronise only the rows looked up in the step (embshard.flexshard.routing),
+  where without it every replicated row's gradient is all-reduced every step.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from embshard.task import Task, read_json
 
 
 #: Every key a plan JSON object may hold (docs/contracts.md).
-PLAN_FIELDS = ("task", "algorithm", "shards", "row_maps", "dedup_ids")
+PLAN_FIELDS = ("task", "algorithm", "shards", "row_maps", "dedup_ids", "sparse_sync")
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,8 @@ class Shard:
 class Plan:
     """Where every piece of every table lives.
 
-    `row_maps` (table -> int64 array) and `dedup_ids` are for row-level plans (module docstring).
+    `row_maps` (table -> int64 array), `dedup_ids` and `sparse_sync` are for row-level plans
+    (module docstring).
     """
 
     task: str
@@ -96,6 +99,7 @@ class Plan:
     shards: list[Shard] = field(default_factory=list)
     row_maps: dict[str, np.ndarray] = field(default_factory=dict)
     dedup_ids: bool = False
+    sparse_sync: bool = False
 
     def shards_on(self, device: int) -> list[Shard]:
         return [s for s in self.shards if s.device == device]
@@ -131,6 +135,8 @@ class Plan:
             d["row_maps"] = row_map_files
         if self.dedup_ids:
             d["dedup_ids"] = True
+        if self.sparse_sync:
+            d["sparse_sync"] = True
         return d
 
     @classmethod
@@ -145,11 +151,12 @@ class Plan:
             raise InputError(f"{source}: missing field(s) {sorted(missing)}")
         if not isinstance(d["shards"], list):
             raise InputError(f"{source}: 'shards' must be a list")
-        dedup = d.get("dedup_ids", False)
-        if not isinstance(dedup, bool):
-            raise InputError(f"{source}: 'dedup_ids' must be true or false, got {dedup!r}")
+        for key in ("dedup_ids", "sparse_sync"):
+            if not isinstance(d.get(key, False), bool):
+                raise InputError(f"{source}: {key!r} must be true or false, got {d[key]!r}")
         row_maps = _load_row_maps(d.get("row_maps", {}), source, Path(base_dir) if base_dir is not None else Path("."))
-        return cls(str(d["task"]), str(d["algorithm"]), [Shard.from_dict(s) for s in d["shards"]], row_maps, dedup)
+        return cls(str(d["task"]), str(d["algorithm"]), [Shard.from_dict(s) for s in d["shards"]], row_maps,
+                   d.get("dedup_ids", False), d.get("sparse_sync", False))
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan JSON, and each row map as a sidecar `<stem>.rowmaps/<table>.npy`

@@ -7,7 +7,10 @@ import the repository's `dlrm/` package (train.py runs from the repository root)
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -238,3 +241,67 @@ def sequence_throughput(cfg: DictConfig) -> float:
 
     return run_sequence_throughput(cfg, lambda name: instantiate(cfg.searchers[name]), list(cfg.searchers),
                                    out_dir(cfg, timestamped=False), ROOT)
+
+
+# ---------------------------------------------------------------------------- emulated cluster
+def run_on_cluster(cfg: DictConfig) -> None:
+    """stage=throughput / sequence_throughput with cluster=emulated: the task's two hosts as
+    network namespaces joined by a tc-shaped veth pair (embshard.hardware.cluster), one torchrun
+    per host inside its namespace running this same command; torn down after, also on failure
+    or interrupt. Where namespaces cannot be made: one error line, then loopback (unless
+    cluster.on_unavailable=error)."""
+    from embshard.hardware.cluster import (ENV_CLUSTER, ClusterUnavailable, EmulatedCluster, LinkShape,
+                                           auto_rate_mbit, intra_host_mbit, launch_torchrun, teardown_on_signals,
+                                           timed_transfer_mbit)
+
+    c = cfg.cluster
+    if "RANK" in os.environ:
+        raise InputError("cluster=emulated starts its own processes (one torchrun per emulated host): "
+                         "run `python train.py ...` without torchrun")
+    if c.on_unavailable not in ("loopback", "error"):
+        raise InputError(f"cluster.on_unavailable must be loopback or error, got {c.on_unavailable!r}")
+    if c.rate_mbit != "auto" and not isinstance(c.rate_mbit, (int, float)):
+        raise InputError(f"cluster.rate_mbit must be auto or a number (Mbit/s), got {c.rate_mbit!r}")
+    if cfg.stage.name == "sequence_throughput":
+        from dlrm.sequence_stages import _block, build_task
+
+        task = build_task(_block(cfg), ROOT)
+    else:
+        from dlrm.stages import load_task
+
+        task = load_task(cfg.dlrm, partial(dataset_path, cfg.dataset), cfg.seed, local_rank=0)
+    if task.hosts != 2:
+        raise InputError(f"cluster=emulated joins two hosts; task {task.name!r} has {task.hosts} "
+                         f"({task.num_devices} devices, {task.devices_per_host} per host)")
+    nbytes = int(float(c.probe_megabytes) * 1e6)
+    try:
+        shape = LinkShape(1000.0 if c.rate_mbit == "auto" else float(c.rate_mbit), float(c.latency_us))
+        with teardown_on_signals(), EmulatedCluster(shape) as cluster:
+            info: dict = {"kind": "emulated", "task_intra_host_gbps": task.intra_host_gbps,
+                          "task_inter_host_gbps": task.inter_host_gbps, "devices_per_host": task.devices_per_host}
+            info["loopback_stream_mbit"] = timed_transfer_mbit(cluster, 0, 0, nbytes)
+            if c.rate_mbit == "auto":
+                if task.devices_per_host < 2:
+                    raise InputError("cluster.rate_mbit=auto scales from the intra-host link, which needs 2+ devices "
+                                     "per host; set cluster.rate_mbit")
+                info["intra_host_mbit_per_device"] = intra_host_mbit(cluster, task.devices_per_host)
+                cluster.set_rate(auto_rate_mbit(info["intra_host_mbit_per_device"], task.intra_host_gbps,
+                                                task.inter_host_gbps, task.devices_per_host))
+            link = timed_transfer_mbit(cluster, 0, 1, min(nbytes, int(cluster.shape.rate_mbit * 1e6 / 8 * 3)))
+            info.update(cluster.describe(), measured_link_mbit=link)
+            print(f"emulated cluster: 2 hosts x {task.devices_per_host} processes, link {cluster.shape.rate_mbit:.0f} "
+                  f"Mbit/s set, {link:.0f} Mbit/s timed (intra-host: gloo "
+                  f"{info.get('intra_host_mbit_per_device', float('nan')):.0f} Mbit/s per device, one TCP stream "
+                  f"{info['loopback_stream_mbit']:.0f})")
+            rc = launch_torchrun(cluster, 2, task.devices_per_host, ROOT / "train.py", sys.argv[1:],
+                                 {ENV_CLUSTER: json.dumps(info)}, master_port=int(c.master_port))
+    except ClusterUnavailable as e:
+        if c.on_unavailable == "error":
+            raise
+        print(f"error: {e}; running on loopback instead (every link the same speed)", file=sys.stderr)
+        rc = launch_torchrun(None, 2, task.devices_per_host, ROOT / "train.py", sys.argv[1:],
+                             {ENV_CLUSTER: json.dumps({"kind": "loopback", "reason": str(e)})},
+                             master_port=int(c.master_port))
+    if rc:
+        raise SystemExit(rc)
+    return None

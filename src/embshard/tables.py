@@ -13,6 +13,8 @@ from embshard.errors import InputError, check_keys
 #: Upper edges of the reuse bins (0,1], (1,2], (2,4], ..., (16384,32768]; a 17th bin holds 32768+.
 REUSE_BIN_EDGES: tuple[int, ...] = tuple(2**k for k in range(16))  # 1 .. 32768
 NUM_REUSE_BINS = 17
+#: How far a reuse histogram's sum may be from 1 (rounding of its 17 shares, e.g. to 4 decimals).
+REUSE_HISTOGRAM_SUM_TOLERANCE = 1e-3
 #: Column-split granularity the FBGEMM kernel requires for fp32/fp16 weights.
 DIM_ALIGNMENT = 4
 MIN_ROWS = 100
@@ -68,7 +70,8 @@ class Table:
         rows: hash size (number of embedding rows).
         dim: embedding width; a multiple of 4 (FBGEMM's requirement).
         pooling_factor: mean number of indices per bag (float).
-        reuse_histogram: 17 floats, fraction of unique rows per access-count bin, or None.
+        reuse_histogram: 17 floats, fraction of unique rows per access-count bin (summing to 1
+            up to rounding), or None.
         bytes_per_element: 4 for fp32 weights, 2 for fp16.
         trace: optional reference to real indices for this table.
         kind: "pooled" (default) or "sequence" (unpooled; `pooling_factor` = mean sequence length).
@@ -122,6 +125,11 @@ class Table:
             if len(hist) != NUM_REUSE_BINS or any(not math.isfinite(x) or x < 0 for x in hist):
                 raise InputError(
                     f"{where}: reuse_histogram must be {NUM_REUSE_BINS} non-negative floats"
+                )
+            if abs(sum(hist) - 1.0) > REUSE_HISTOGRAM_SUM_TOLERANCE:
+                raise InputError(
+                    f"{where}: reuse_histogram holds shares of the table's unique rows and must sum to 1 "
+                    f"(within {REUSE_HISTOGRAM_SUM_TOLERANCE}), got {sum(hist):.6g}; leave it out if unknown"
                 )
             object.__setattr__(self, "reuse_histogram", hist)
         object.__setattr__(self, "pooling_factor", float(self.pooling_factor))

@@ -316,7 +316,8 @@ class DlrmDataset:
                 "name": f"{prefix}{t}",
                 "rows": s.rows,
                 "pooling_factor": s.pooling_factor,
-                "reuse_histogram": list(s.reuse_histogram),
+                # a table without accesses has no histogram (its shares would not sum to 1)
+                "reuse_histogram": list(s.reuse_histogram) if s.num_unique else None,
                 "bytes_per_element": bytes_per_element,
                 "trace": {"file": ref.file, "table_index": ref.table_index},
             })

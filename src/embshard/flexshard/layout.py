@@ -6,7 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -43,42 +44,88 @@ class Tiers:
     """One table's tier cuts over its rows in descending access order (`hot_ids`).
 
     Ranks [0, replicated) are held by every device; ranks [replicated, replicated + per_host)
-    once per host, split over the host's devices (rank i to local device i mod P, so each
-    device gets an even share of hot and less hot rows); the rest of the table is split over
-    all devices in TorchRec's row blocks.
+    once per host, split over the host's devices (rank i to the host's slot i mod P, slot s on
+    local device (s + rotation) mod P with the rotation a hash of the table's name, so each
+    device gets an even share of hot and less hot rows and no device gets every table's
+    hottest); the next len(placed) ranks, hot rows of the global tier, on the devices
+    `placed` names (balanced over all tables by the search); the rest of the table is split
+    over all devices in TorchRec's row blocks.
     """
 
     replicated: int
     per_host: int
+    placed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), compare=False)
 
     @property
     def front(self) -> int:
+        """Ranks in the per-host and replicated tiers."""
         return self.replicated + self.per_host
+
+    @property
+    def moved(self) -> int:
+        """Ranks the row map moves to the front: the tiers and the placed global rows."""
+        return self.front + int(len(self.placed))
 
 
 def host_blocks(n: int, p: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, sizes) of the per-host tier's p device blocks (local device i takes ranks i, i+p, ...)."""
+    """(starts, sizes) of the per-host tier's p slot blocks (slot i takes ranks i, i+p, ...)."""
     sizes = np.array([(n - i + p - 1) // p if n > i else 0 for i in range(p)], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     return starts, sizes
+
+
+def host_rotation(table: Table, devices_per_host: int) -> int:
+    """The local device of a table's per-host slot 0 (a stable hash of its name)."""
+    return zlib.crc32(table.name.encode()) % devices_per_host
 
 
 def tier_layout(task: Task, table: Table, hot_ids: np.ndarray, tiers: Tiers) -> tuple[np.ndarray, list[Shard]]:
     """(row map front, shards) of one table cut into tiers (see `Tiers`)."""
     D, P, H = task.num_devices, task.devices_per_host, task.hosts
     g, n_h = tiers.replicated, tiers.per_host
-    front = np.empty(g + n_h, dtype=np.int64)
+    placed = np.asarray(tiers.placed, dtype=np.int64)
+    front = np.empty(tiers.moved, dtype=np.int64)
     front[:g] = hot_ids[:g]
     starts, sizes = host_blocks(n_h, P)
     r = np.arange(n_h)
     front[g + starts[r % P] + r // P] = hot_ids[g:g + n_h]
     shards = [Shard(table.name, d, 0, table.dim, 0, g, replica=d) for d in range(D)] if g else []
+    rot = host_rotation(table, P)
     for h in range(H):
         for i in range(P):
             if sizes[i]:
-                shards.append(Shard(table.name, h * P + i, 0, table.dim, g + int(starts[i]), int(sizes[i]), replica=h))
-    shards += block_shards(table, g + n_h, table.rows, range(D))
+                shards.append(Shard(table.name, h * P + (i + rot) % P, 0, table.dim, g + int(starts[i]), int(sizes[i]),
+                                    replica=h))
+    if placed.size:
+        order = np.argsort(placed, kind="stable")  # device by device, hottest first within each
+        front[tiers.front:] = hot_ids[tiers.front:tiers.moved][order]
+        devices, counts = np.unique(placed, return_counts=True)
+        offset = tiers.front
+        for d, n in zip(devices, counts):
+            shards.append(Shard(table.name, int(d), 0, table.dim, offset, int(n)))
+            offset += int(n)
+    shards += block_shards(table, tiers.moved, table.rows, range(D))
     return front, shards
+
+
+def balance_placement(weights: list[np.ndarray], num_devices: int) -> list[np.ndarray]:
+    """Devices for rows of several tables with the given loads, least-loaded first (LPT in
+    rounds: the next `num_devices` heaviest rows go to the devices in ascending load, the
+    heaviest to the least loaded), so the busiest device carries little more than the mean.
+    Returns, per table, the device of each of its rows."""
+    sizes = [len(w) for w in weights]
+    if not sum(sizes):
+        return [np.zeros(0, dtype=np.int64) for _ in weights]
+    w = np.concatenate(weights).astype(np.float64)
+    order = np.argsort(-w, kind="stable")
+    device = np.empty(w.size, dtype=np.int64)
+    load = np.zeros(num_devices)
+    for start in range(0, w.size, num_devices):
+        chunk = order[start:start + num_devices]
+        targets = np.argsort(load, kind="stable")[:chunk.size]
+        device[chunk] = targets
+        load[targets] += w[chunk]
+    return np.split(device, np.cumsum(sizes)[:-1])
 
 
 def check_fits(task: Task, plan: Plan) -> Plan:

@@ -12,16 +12,30 @@ replicated tier is held everywhere (always local) and its per-host tier once per
 (always inside the host).
 
 Replica sync: after backward every rectangle held by several devices all-reduces its
-gradient (dense, fp32) among its holders, hierarchically when every host holds the same
-number p of copies: reduce-scatter inside each host (p chunks), reduce-scatter then
-all-gather of each chunk among the hosts (the copies with the same local index), all-gather
-inside each host. Per row of N bytes that moves 2(p-1)/p N inside a host and 2(h-1)/(h p) N
-between hosts per device, where a flat ring over all holders would send 2(hp-1)/(hp) N, most
-of it between hosts. Irregular holder sets fall back to a flat reduce-scatter + all-gather.
+gradient among its holders, in four phases: reduce-scatter inside each host, reduce-scatter
+then all-gather among the hosts (the copies with the same local index), all-gather inside
+each host (irregular holder sets: a flat reduce-scatter + all-gather over all holders).
+
+* dense (`sync_schedule`; HugeCTR's hybrid and data_parallel plans): every row every step,
+  fp32, chunked by elements. Per row of N bytes that moves 2(p-1)/p N inside a host and
+  2(h-1)/(h p) N between hosts per device.
+* sparse (`SparseSync`; plans with `sparse_sync`, FlexShard's): only the rows some holder
+  looked up in the step, each sent as (int64 row, fp32 gradient) to the holder that owns
+  it in the phase: with r = row + a rotation per table (a hash of its name, so that no copy
+  owns every table's hottest row), a row's owner inside a host is local copy `r mod p`, its
+  owner among the hosts host `(r // p) mod h` (rows are laid out hottest first, so owners
+  interleave and every holder reduces an even share of hot and cold rows). Between two hosts the
+  reduce-scatter and all-gather become one exchange: each copy sends the other its touched
+  rows and both add (2u row messages per row where one host touches it with probability u,
+  against u + g for the two phases, g >= u the probability that either does). Before each phase the
+  holders exchange, per peer and group, how many rows follow (one int64 each). A row
+  touched by none of its holders moves nothing; the phases then deliver, to every holder,
+  the sum over holders of every row any of them touched.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -201,6 +215,80 @@ def sync_schedule(group: SyncGroup, devices_per_host: int) -> list[list[tuple[in
             phases[1] += _exchange(peers, starts[j] + sub_starts, sub_sizes, gather=False)
             phases[2] += _exchange(peers, starts[j] + sub_starts, sub_sizes, gather=True)
     return phases
+
+
+@dataclass(frozen=True)
+class SparseSync:
+    """The sparse sync rule of one group (module docstring): which of a holder's touched rows
+    it sends to whom in each phase, and which it keeps. The traffic model applies it to every
+    holder's rows; the data path to its own, learning the rest from the count exchange.
+
+    `hosts`: the holders grouped by host (each ascending); a single list of all holders when
+    the hosts hold unequal numbers of copies (the flat fallback). `rotation`: added to a row
+    before its owners are picked.
+    """
+
+    group: SyncGroup
+    hosts: tuple[tuple[int, ...], ...]
+    hierarchical: bool
+    rotation: int = 0
+
+    @classmethod
+    def of(cls, group: SyncGroup, devices_per_host: int) -> "SparseSync":
+        by_host: dict[int, list[int]] = {}
+        for m in group.members:
+            by_host.setdefault(m // devices_per_host, []).append(m)
+        hosts = [tuple(sorted(by_host[h])) for h in sorted(by_host)]
+        rotation = zlib.crc32(group.table.encode())
+        if any(len(h) != len(hosts[0]) for h in hosts):
+            return cls(group, (tuple(sorted(group.members)),), False, rotation)
+        return cls(group, tuple(hosts), True, rotation)
+
+    def _where(self, device: int) -> tuple[int, int]:
+        for hi, h in enumerate(self.hosts):
+            if device in h:
+                return hi, h.index(device)
+        raise ValueError(f"device {device} holds no copy of {self.group}")
+
+    def peers(self, phase: int, device: int) -> list[int]:
+        """The holders `device` exchanges with in `phase` (ascending; counts go to each of them
+        every step, rows only where there are some)."""
+        hi, j = self._where(device)
+        if phase in (0, 3):  # inside the host (flat: among all holders)
+            return [d for d in self.hosts[hi] if d != device]
+        if not self.hierarchical or len(self.hosts) == 1 or (phase == 2 and len(self.hosts) == 2):
+            return []  # two hosts: the exchange of phase 1 is the whole all-reduce between them
+        return sorted(h[j] for m, h in enumerate(self.hosts) if m != hi)
+
+    def sends(self, phase: int, device: int, rows: np.ndarray) -> tuple[dict[int, np.ndarray], np.ndarray]:
+        """({peer: positions of `rows` sent to it}, positions kept) for a holder whose touched
+        rows (group-local, ascending) are `rows` when `phase` starts. Reduce-scatter phases
+        (0, 1) hand each row to its owner and keep the holder's own; gather phases (2, 3), and
+        phase 1 between two hosts (the exchange), send every row to every peer and keep them
+        all. Receivers add what they get to what they keep."""
+        hi, j = self._where(device)
+        peers = self.peers(phase, device)
+        everything = np.arange(rows.size)
+        if not peers:
+            return {}, everything
+        if phase in (2, 3) or (phase == 1 and len(self.hosts) == 2):
+            return {p: everything for p in peers}, everything
+        r = rows + self.rotation
+        if phase == 0:
+            group = self.hosts[hi]
+            owner_index = r % len(group)
+            owners = np.asarray(group, dtype=np.int64)[owner_index]
+        else:  # phase 1: rows already all of chunk j; owner host (r // p) mod h
+            p = len(self.hosts[0])
+            host_index = (r // p) % len(self.hosts)
+            owners = np.asarray([h[j] for h in self.hosts], dtype=np.int64)[host_index]
+        out = {peer: np.flatnonzero(owners == peer) for peer in peers}
+        return {k: v for k, v in out.items() if v.size}, np.flatnonzero(owners == device)
+
+
+def sparse_sync_rules(task: Task, plan: Plan) -> list[SparseSync]:
+    """The sparse sync rule of every group of `sync_groups`, in the same order."""
+    return [SparseSync.of(g, task.devices_per_host) for g in sync_groups(task, plan)]
 
 
 def link_is_intra(num_devices: int, devices_per_host: int) -> np.ndarray:

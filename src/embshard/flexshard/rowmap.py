@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+#: tables up to this many rows map ids through a dense table (4 bytes a row, built on first use)
+DENSE_MAX_ROWS = 1 << 24
+
 
 @dataclass(frozen=True)
 class RowMap:
@@ -52,6 +55,15 @@ class RowMap:
         """Plan row ids of original ids (int64 tensor in, int64 tensor out)."""
         if self.size == 0:
             return ids
+        if self.rows <= DENSE_MAX_ROWS:  # one gather per id (the data path maps every id every step)
+            dense = self.__dict__.get("_dense")
+            if dense is None:
+                dense = self._sparse_to_new(torch.arange(self.rows, dtype=torch.int64)).to(torch.int32)
+                object.__setattr__(self, "_dense", dense)
+            return dense[ids].to(torch.int64)
+        return self._sparse_to_new(ids)
+
+    def _sparse_to_new(self, ids: torch.Tensor) -> torch.Tensor:
         out = ids.clone()
         moved = _assign(out, ids, self._sorted_ids, self._sorted_new)
         _assign(out, ids, self._vacated, self._holes, skip=moved)

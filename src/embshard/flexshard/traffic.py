@@ -10,7 +10,9 @@ a device's own lookups cost nothing):
   (TorchRec's SequenceEmbeddingsAllToAll); a pooled table returns the piece's pooled partial
   sums for every sample of the requester (TorchRec's pooled row-wise / table-wise output);
 * gradients_bw: the same sizes, back;
-* replica_sync: the all-reduce of replicated rows' gradients (embshard.flexshard.routing).
+* replica_sync: the all-reduce of replicated rows' gradients (embshard.flexshard.routing):
+  dense (every row, fp32, every step) or, for plans with `sparse_sync`, the rows some holder
+  looked up in the step (int64 row + fp32 gradient each), after a count per peer and group.
 
 Each pair's bytes are classed `intra_host` or `inter_host` by the task's topology. The
 modeled time of a step adds its collective phases (ids, embeddings, gradients, the four sync
@@ -30,7 +32,8 @@ import numpy as np
 import torch
 
 from embshard.errors import InputError
-from embshard.flexshard.routing import SYNC_PHASES, link_is_intra, plan_routes, sync_groups, sync_schedule
+from embshard.flexshard.routing import (SYNC_PHASES, SparseSync, link_is_intra, plan_routes, sync_groups,
+                                        sync_schedule)
 from embshard.flexshard.stats import BatchSplit, step_batch
 from embshard.hardware.comm import batch_split
 from embshard.plan import Plan
@@ -84,10 +87,26 @@ class TrafficModel:
         self.inter_bytes_per_ms = task.inter_host_gbps * BYTES_PER_GB / 1e3
         self.samples_per_device = np.array(batch_split(task.batch_size, self.D), dtype=np.int64)
         self.sync = {p: np.zeros((self.D, self.D)) for p in SYNC_PHASES}
-        for group in sync_groups(task, plan):
-            for name, transfers in zip(SYNC_PHASES, sync_schedule(group, task.devices_per_host)):
-                for src, dst, _, length in transfers:
-                    self.sync[name][src, dst] += FLOAT_BYTES * length
+        groups = sync_groups(task, plan)
+        #: sparse sync: per group its rule; per (table, column) the group of each segment (-1: one holder)
+        self.rules = [SparseSync.of(g, task.devices_per_host) for g in groups] if plan.sparse_sync else []
+        self.segment_group: dict[tuple[str, int], np.ndarray] = {}
+        if plan.sparse_sync:
+            index = {(g.table, g.row_offset, g.col_offset): k for k, g in enumerate(groups)}
+            for name, route in self.routes.items():
+                for col in route.columns:
+                    self.segment_group[(name, col.col_offset)] = np.array(
+                        [index.get((name, int(r), col.col_offset), -1) for r in col.seg_starts], dtype=np.int64)
+            for rule in self.rules:  # the counts: one int64 per peer and group, every step
+                for k, name in enumerate(SYNC_PHASES):
+                    for m in rule.group.members:
+                        for peer in rule.peers(k, m):
+                            self.sync[name][m, peer] += ID_BYTES
+        else:
+            for group in groups:
+                for name, transfers in zip(SYNC_PHASES, sync_schedule(group, task.devices_per_host)):
+                    for src, dst, _, length in transfers:
+                        self.sync[name][src, dst] += FLOAT_BYTES * length
         self.num_columns = sum(len(r.columns) for r in self.routes.values())
 
     def step(self, batch: Batch) -> StepTraffic:
@@ -95,6 +114,7 @@ class TrafficModel:
         ids_m = np.full((D, D), float(ID_BYTES * self.num_columns))  # the split counts
         fw = np.zeros((D, D))
         sample_src = np.repeat(np.arange(D), self.samples_per_device)
+        touched: list[np.ndarray] = []  # sparse sync: (group, device, group-local row) keys looked up
         for name, route in self.routes.items():
             t = route.table
             if name not in batch:
@@ -108,10 +128,16 @@ class TrafficModel:
                 key = np.unique(src * t.rows + ids)
                 src, ids = key // t.rows, key % t.rows
             for col in route.columns:
+                new = None
                 if t.rows <= LUT_MAX_ROWS:
-                    dest = col.dest[src, col.segment_lut(route.row_map)[ids]]
+                    seg = col.segment_lut(route.row_map)[ids]
+                    dest = col.dest[src, seg]
                 else:
-                    dest = col.route(torch.from_numpy(src), route.row_map.to_new(torch.from_numpy(ids))).numpy()
+                    new = route.row_map.to_new(torch.from_numpy(ids)).numpy()
+                    seg = np.searchsorted(col.seg_starts, new, side="right") - 1
+                    dest = col.dest[src, seg]
+                if self.rules:
+                    touched.append(self._touched(route, col, ids, new, seg, dest))
                 n = np.bincount(src * D + dest, minlength=D * D).reshape(D, D).astype(np.float64)
                 ids_m += ID_BYTES * n
                 if t.is_sequence:
@@ -121,7 +147,46 @@ class TrafficModel:
                         fw[col.dest_set(s), s] += FLOAT_BYTES * col.dim * self.samples_per_device[s]
         np.fill_diagonal(ids_m, 0.0)
         np.fill_diagonal(fw, 0.0)
-        return StepTraffic({"ids": ids_m, "embeddings_fw": fw, "gradients_bw": fw.T.copy(), **self.sync})
+        sync = self._sparse_sync(np.concatenate(touched)) if self.rules else self.sync
+        return StepTraffic({"ids": ids_m, "embeddings_fw": fw, "gradients_bw": fw.T.copy(), **sync})
+
+    def _touched(self, route, col, ids: np.ndarray, new: np.ndarray | None, seg: np.ndarray,
+                 dest: np.ndarray) -> np.ndarray:
+        """Keys group * (D * 2**32) + device * 2**32 + group-local row of the lookups that land
+        on a copy of a synchronised rectangle (the rows each holder touched)."""
+        group = self.segment_group[(route.table.name, col.col_offset)][seg]
+        hit = group >= 0
+        if not hit.any():
+            return np.zeros(0, dtype=np.int64)
+        rows = new[hit] if new is not None else route.row_map.to_new(torch.from_numpy(ids[hit])).numpy()
+        local = rows - col.seg_starts[seg[hit]]
+        return np.unique((group[hit] * self.D + dest[hit]) * (1 << 32) + local)
+
+    def _sparse_sync(self, keys: np.ndarray) -> dict[str, np.ndarray]:
+        """The sparse sync's bytes of one step (routing.SparseSync applied to every holder)."""
+        out = {name: m.copy() for name, m in self.sync.items()}  # the counts
+        keys = np.unique(keys)
+        group_dev, local = keys >> 32, keys & ((1 << 32) - 1)
+        bounds = np.flatnonzero(np.r_[True, group_dev[1:] != group_dev[:-1], True])
+        held: dict[int, dict[int, np.ndarray]] = {}
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            g, d = divmod(int(group_dev[a]), self.D)
+            held.setdefault(g, {})[d] = local[a:b]
+        for g, rows_of in held.items():
+            rule = self.rules[g]
+            row_bytes = ID_BYTES + FLOAT_BYTES * rule.group.dim
+            for k, name in enumerate(SYNC_PHASES):
+                received: dict[int, list[np.ndarray]] = {}
+                kept: dict[int, np.ndarray] = {}
+                for d in rule.group.members:
+                    rows = rows_of.get(d, np.zeros(0, dtype=np.int64))
+                    sends, keep = rule.sends(k, d, rows)
+                    for peer, pos in sends.items():
+                        out[name][d, peer] += row_bytes * pos.size
+                        received.setdefault(peer, []).append(rows[pos])
+                    kept[d] = rows[keep]
+                rows_of = {d: np.unique(np.concatenate([kept[d], *received.get(d, [])])) for d in rule.group.members}
+        return out
 
     def step_ms(self, step: StepTraffic) -> dict[str, float]:
         """Modeled ms of each phase of one step."""

@@ -1,17 +1,23 @@
-"""Ground truth: measured costs of plans on real kernels and real processes."""
+"""Ground truth: measured costs of plans on real kernels and real processes.
 
-from embshard.hardware.backends import available_backends, make_kernel
-from embshard.hardware.comm import CommConfig, CommResult, measure_comm
-from embshard.hardware.compute import measure_compute
-from embshard.hardware.evaluator import HardwareEvaluator
-from embshard.hardware.protocol import (
-    MeasurementProtocol,
-    Stopwatch,
-    Timing,
-    measuring_process,
-)
+The names below load on first use (PEP 562), so a light module of this package (the
+measurement protocol, the emulated cluster's link test) starts without importing torch.
+"""
 
-__all__ = [
-    "available_backends", "make_kernel", "CommConfig", "CommResult", "measure_comm",
-    "measure_compute", "HardwareEvaluator", "MeasurementProtocol", "Stopwatch", "Timing", "measuring_process",
-]
+from importlib import import_module
+from typing import Any
+
+_WHERE = {
+    "available_backends": "backends", "make_kernel": "backends",
+    "CommConfig": "comm", "CommResult": "comm", "measure_comm": "comm",
+    "measure_compute": "compute", "HardwareEvaluator": "evaluator",
+    "MeasurementProtocol": "protocol", "Stopwatch": "protocol", "Timing": "protocol", "measuring_process": "protocol",
+}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'embshard.hardware' has no attribute {name!r}")
+    return getattr(import_module(f"embshard.hardware.{_WHERE[name]}"), name)

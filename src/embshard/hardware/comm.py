@@ -15,7 +15,9 @@ inside, interleaved per repetition (A B C A B C ...), so machine drift hits all 
 ranks follow the measurement protocol (`hardware.protocol`): rank r pinned to core r mod n of
 the cores the caller was allowed, one thread, the caching allocator, the protocol's comm
 warm-ups and repetitions; the timer is the wall clock (an all-to-all's cost is waiting and
-moving bytes, not one thread's CPU time).
+moving bytes, not one thread's CPU time). On an emulated cluster (`hardware.cluster`) each rank
+first enters its host's network namespace (rank // devices per host), so ranks of different
+hosts meet over the shaped link.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from embshard.hardware.protocol import MeasurementProtocol, allowed_cores
 from embshard.hardware.spawn import run_ranks
+
+if TYPE_CHECKING:
+    from embshard.hardware.cluster import EmulatedCluster
 
 #: Bytes per float sent (pooled embeddings and their gradients are fp32).
 BYTES_PER_FLOAT = 4
@@ -89,6 +94,8 @@ def measure_comm(
     timeout_s: float | None = None,
     progress: bool = False,
     cores: Sequence[int] | None = None,
+    cluster: "EmulatedCluster | None" = None,
+    devices_per_host: int | None = None,
 ) -> list[CommResult]:
     """Time the forward and backward all-to-all of every configuration on real processes.
 
@@ -104,6 +111,8 @@ def measure_comm(
             default scales with the work.
         progress: a tqdm bar over timed rounds (reported by rank 0).
         cores: the cores the ranks are pinned over (default: the caller's allowed set).
+        cluster, devices_per_host: an emulated cluster that is up; rank r runs in host
+            r // devices_per_host (None: every rank on this machine's loopback).
 
     Returns:
         One CommResult per config. D = 1 gives zeros without spawning anything.
@@ -130,9 +139,16 @@ def measure_comm(
         timeout_s = 120 + 10 * d + 4 * rounds * per_round * max(1, d / (os.cpu_count() or 1))
 
     payload = [(c.widths, c.delays_ms) for c in cfgs]
-    per_rank = run_ranks(_worker, d, lambda rank, store, results: (
-        rank, d, store, backend, payload, batch_size, protocol.to_dict(), cores, results, progress, float(timeout_s)),
-        timeout_s, "comm")
+
+    def rank_args(rank: int, store: str, results: Any) -> tuple:
+        where = None
+        if cluster is not None:  # each emulated host's ranks inside its namespace
+            host = rank // int(devices_per_host or d)
+            where = (cluster.namespaces[host], cluster.interface(host))
+        return (rank, d, store, backend, payload, batch_size, protocol.to_dict(), cores, results, progress,
+                float(timeout_s), where)
+
+    per_rank = run_ranks(_worker, d, rank_args, timeout_s, "comm")
 
     out = []
     for k in range(len(cfgs)):
@@ -165,9 +181,15 @@ def _sleep_until(t_end: float) -> None:
 
 
 def _worker(rank, world, store_path, backend, payload, batch_size, protocol_dict, cores, results,
-            progress, timeout_s) -> None:
+            progress, timeout_s, where=None) -> None:
     try:
         import datetime
+
+        if where is not None:  # before any socket or thread: they inherit the namespace
+            from embshard.hardware.cluster import enter_namespace
+
+            enter_namespace(where[0])
+            os.environ["GLOO_SOCKET_IFNAME"] = where[1]
 
         import torch
         import torch.distributed as dist

@@ -20,7 +20,9 @@ the measuring session calls it first and records it beside the costs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 from typing import TYPE_CHECKING, Sequence
 
 from embshard.costs.base import DeviceCosts
@@ -55,6 +57,10 @@ class HardwareEvaluator:
             DistributedModelParallel embedding step, `hardware.dmp_step`: the input ids'
             all-to-all, row-wise bucketizing, lookups, output distribution, backward with the
             fused update; CPU and gloo; needs TorchRec).
+        cluster: where the all-to-alls run (conf/cluster/): {"kind": "loopback"} (default) or
+            {"kind": "emulated", "rate_mbit": auto | Mbit/s, ...}: the task's two hosts as
+            network namespaces joined by a tc-shaped link (embshard.hardware.cluster), for each
+            measuring call; `network` records what was used.
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class HardwareEvaluator:
         progress: bool = False,
         comm_timeout_s: float | None = None,
         step: str = "kernels",
+        cluster: dict | None = None,
     ):
         if backend not in BACKENDS:
             raise InputError(f"unknown hardware backend {backend!r}; one of {list(BACKENDS)}")
@@ -85,6 +92,13 @@ class HardwareEvaluator:
         if step == "dmp" and (str(device).startswith("cuda") or comm_backend != "gloo"):
             raise InputError("hardware.step=dmp measures on CPU with gloo here (device=cpu, comm_backend=gloo)")
         self.step = step
+        self.cluster = dict(cluster or {"kind": "loopback"})
+        if self.cluster.get("kind") not in ("loopback", "emulated"):
+            raise InputError(f"hardware.cluster.kind must be loopback or emulated, got {self.cluster.get('kind')!r}")
+        if self.cluster["kind"] == "emulated" and (step != "kernels" or comm_backend != "gloo"):
+            raise InputError("the emulated cluster measures gloo all-to-alls (hardware.step=kernels, comm_backend=gloo)")
+        #: per measuring call, the network its all-to-alls ran on
+        self.network: list[dict] = []
         self.protocol = MeasurementProtocol.from_config(protocol)
         self.batch_size = batch_size
         self.seed = seed
@@ -164,16 +178,63 @@ class HardwareEvaluator:
                 c = [t.median_ms for t in timings]
                 lo = min(c)
                 configs.append(CommConfig.make(plan.device_widths(d), [x - lo for x in c]))
-            comm = measure_comm(
-                configs,
-                batch,
-                protocol=protocol,
-                backend=self.comm_backend,
-                timeout_s=self.comm_timeout_s,
-                progress=self.progress,
-            )
+            with self._network(task) as cluster:
+                comm = measure_comm(
+                    configs,
+                    batch,
+                    protocol=protocol,
+                    backend=self.comm_backend,
+                    timeout_s=self.comm_timeout_s,
+                    progress=self.progress,
+                    cluster=cluster,
+                    devices_per_host=task.devices_per_host,
+                )
         return [_costs(t, c) for t, c in zip(per_plan, comm)]
 
+
+    @contextlib.contextmanager
+    def _network(self, task: Task):
+        """The emulated cluster for `task`'s all-to-alls (None: loopback), torn down after."""
+        from embshard.hardware.cluster import (ClusterUnavailable, EmulatedCluster, LinkShape, auto_rate_mbit,
+                                               intra_host_mbit, teardown_on_signals)
+
+        c = self.cluster
+        if c["kind"] != "emulated":
+            self.network.append({"kind": "loopback"})
+            yield None
+            return
+        if task.hosts != 2:
+            raise InputError(f"hardware.cluster=emulated joins two hosts; task {task.name!r} has {task.hosts}")
+        rate = c.get("rate_mbit", "auto")
+        cluster = EmulatedCluster(LinkShape(1000.0 if rate == "auto" else float(rate), float(c.get("latency_us", 0.0))))
+        with teardown_on_signals():
+            try:
+                cluster.up()
+                info: dict = {"kind": "emulated"}
+                if rate == "auto":
+                    if task.devices_per_host < 2:
+                        raise InputError("hardware.cluster.rate_mbit=auto scales from the intra-host link, which "
+                                         "needs 2+ devices per host; set a rate")
+                    intra = intra_host_mbit(cluster, task.devices_per_host)
+                    cluster.set_rate(auto_rate_mbit(intra, task.intra_host_gbps, task.inter_host_gbps,
+                                                    task.devices_per_host))
+                    info["intra_host_mbit_per_device"] = intra
+            except ClusterUnavailable as e:
+                cluster.down()
+                if c.get("on_unavailable", "loopback") == "error":
+                    raise
+                print(f"error: {e}; measuring on loopback instead (every link the same speed)", file=sys.stderr)
+                self.network.append({"kind": "loopback", "reason": str(e)})
+                yield None
+                return
+            except BaseException:
+                cluster.down()
+                raise
+            try:
+                self.network.append({**info, **cluster.describe()})
+                yield cluster
+            finally:
+                cluster.down()
 
     def _measure_dmp(self, task: Task, plans: list[Plan], protocol: MeasurementProtocol) -> list[DeviceCosts]:
         from embshard.hardware.dmp_step import measure_dmp_steps
