@@ -13,7 +13,6 @@ lists the keys. Exit status: 0 when every task got a valid plan, 1 when some tas
 
 from __future__ import annotations
 
-import difflib
 import logging
 import shutil
 import sys
@@ -24,7 +23,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from embshard.cli import one_line_errors, refuse_unknown_keys
-from embshard.errors import InputError
+from embshard.errors import InputError, nearest_name
 
 log = logging.getLogger("shard")
 ROOT = Path(__file__).resolve().parent
@@ -178,7 +177,7 @@ def _algorithms(cfg: DictConfig, allow_none: bool = False) -> list[str]:
         algorithms = list(cfg.algorithms)
     unknown = [a for a in algorithms if a not in cfg.searchers]
     if unknown or not (algorithms or allow_none):
-        near = [m for a in unknown for m in difflib.get_close_matches(a, list(cfg.searchers), n=1)]
+        near = [m for m in (nearest_name(a, cfg.searchers) for a in unknown) if m]
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
         raise InputError(f"unknown algorithm(s) {unknown or algorithms}{hint}; known: {', '.join(cfg.searchers)}")
     return algorithms
@@ -291,8 +290,8 @@ def refuse_additions(argv: list[str]) -> None:
         if top in known:
             fix = f"write {key}={value}"
         else:
-            near = difflib.get_close_matches(top, known, n=1)
-            fix = f"{top!r} is not a shard.py key" + (f" (did you mean {near[0]!r}?)" if near else "")
+            near = nearest_name(top, known)
+            fix = f"{top!r} is not a shard.py key" + (f" (did you mean {near!r}?)" if near else "")
         print(f"error: {arg}: shard.py takes its own keys without '+': {fix}; python shard.py --help lists them",
               file=sys.stderr)
         sys.exit(2)

@@ -25,7 +25,6 @@ its outputs.
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ import hydra
 from omegaconf import DictConfig
 
 from embshard.cli import one_line_errors, refuse_unknown_keys
-from embshard.errors import InputError
+from embshard.errors import InputError, nearest_name
 
 ROOT = Path(__file__).resolve().parent
 
@@ -70,8 +69,8 @@ def refuse_unknown_stage(argv: list[str]) -> None:
     for arg in argv:
         key, _, value = arg.partition("=")
         if key.lstrip("+~") == "stage" and value not in known:
-            near = difflib.get_close_matches(value, known, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            near = nearest_name(value, known)
+            hint = f" (did you mean {near!r}?)" if near else ""
             print(f"error: unknown stage {value!r}{hint}; choose from {', '.join(known)}", file=sys.stderr)
             sys.exit(2)
 

@@ -310,7 +310,7 @@ def test_bad_shard_json(d, message):
 @pytest.mark.parametrize("d, message", [
     ([], "p.json: a plan must be a JSON object, got list"),
     ({"task": "t", "algorithm": "x", "shards": [], "notes": 1},
-     "p.json: plan: unknown field 'notes'; known: algorithm, dedup_ids, row_maps, shards, task"),
+     "p.json: plan: unknown field 'notes'; known: algorithm, dedup_ids, row_maps, shards, sparse_sync, task"),
     ({"task": "t"}, "p.json: missing field(s) ['algorithm', 'shards']"),
     ({"task": "t", "algorithm": "x", "shards": {}}, "p.json: 'shards' must be a list"),
     ({"task": "t", "algorithm": "x", "shards": [], "dedup_ids": 1}, "p.json: 'dedup_ids' must be true or false, got 1"),

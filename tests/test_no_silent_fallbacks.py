@@ -189,3 +189,14 @@ def test_plan_file_shard_errors_name_the_file(tmp_path):
     with pytest.raises(InputError) as e:
         Plan.load(path)
     assert str(e.value).startswith(f"{path}: shard of table 'a': unknown field 'replika' (did you mean 'replica'?)")
+
+
+def test_did_you_mean_prefers_the_key_the_typo_begins():
+    from embshard.errors import nearest_name
+
+    keys = ["bytes_per_element", "dim", "num_poolings", "pooling_factor", "rows"]
+    # a truncated key means the one it begins; difflib alone would pick num_poolings (ratio 0.74 vs 0.67)
+    assert nearest_name("pooling", keys) == "pooling_factor"
+    assert nearest_name("dims", keys) == "dim"  # the key the typo extends
+    assert nearest_name("rowz", keys) == "rows"  # no prefix: difflib's closest
+    assert nearest_name("zzz", keys) is None

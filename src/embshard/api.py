@@ -12,12 +12,11 @@ keyword overrides applied as `searchers.<name>.<key>=<value>` would be.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from pathlib import Path
 from typing import Any
 
-from embshard.errors import InputError
+from embshard.errors import InputError, nearest_name
 from embshard.plan import Plan, validate
 from embshard.task import Task
 
@@ -55,8 +54,8 @@ def searcher(algorithm: str, seed: int = 0, **overrides: Any) -> Any:
 
     known = algorithms()
     if algorithm not in known:
-        near = difflib.get_close_matches(str(algorithm), list(known), n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        near = nearest_name(str(algorithm), known)
+        hint = f" (did you mean {near!r}?)" if near else ""
         raise InputError(f"unknown algorithm {algorithm!r}{hint}; known: {', '.join(known)}")
     root = _config("search", known[algorithm], seed=seed)
     node = root.node
@@ -64,7 +63,7 @@ def searcher(algorithm: str, seed: int = 0, **overrides: Any) -> Any:
     params = set(inspect.signature(target).parameters) - {"self"}
     unknown = sorted(k for k in overrides if k not in node and k not in params)
     if unknown:
-        near = [m for k in unknown for m in difflib.get_close_matches(k, sorted(params | set(node)), n=1)]
+        near = [m for m in (nearest_name(k, params | set(node)) for k in unknown) if m]
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
         raise InputError(f"{algorithm}: unknown override(s) {unknown}{hint}; it takes "
                          f"{', '.join(sorted(k for k in params if not k.startswith('_')))}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence, TypeVar
@@ -10,7 +9,7 @@ from typing import Any, Callable, NoReturn, Sequence, TypeVar
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
-from embshard.errors import EmbshardError
+from embshard.errors import EmbshardError, nearest_name
 
 T = TypeVar("T")
 
@@ -59,8 +58,8 @@ def refuse_unknown_keys(argv: Sequence[str], config_dir: Path, config_name: str,
     for arg, key, value in groups:
         options = sorted(p.stem for p in (config_dir / key).glob("*.yaml"))
         if value not in options and value != "null" and not any(c in value for c in "[],${}"):
-            near = difflib.get_close_matches(value, options, n=1)
-            hint = f" (did you mean {key}={near[0]}?)" if near else ""
+            near = nearest_name(value, options)
+            hint = f" (did you mean {key}={near}?)" if near else ""
             _exit_2(f"{arg}: {key} has no option {value!r}{hint}; options: {', '.join(options)}")
     if groups:
         cfg = composed([arg for arg, _, _ in groups])
@@ -76,8 +75,8 @@ def refuse_unknown_keys(argv: Sequence[str], config_dir: Path, config_name: str,
             if part not in node:
                 where = ".".join(path)
                 known = [str(k) for k in node.keys()]
-                near = difflib.get_close_matches(part, known, n=1)
-                hint = f" (did you mean {'.'.join(path + near)!r}?)" if near else ""
+                near = nearest_name(part, known)
+                hint = f" (did you mean {'.'.join([*path, near])!r}?)" if near else ""
                 scope = f"{where!r} has no key {part!r}" if where else f"{part!r} is not a {entry} key"
                 _exit_2(f"{arg}: {scope}{hint}; python {entry} --help lists the keys")
             node = node._get_node(part)

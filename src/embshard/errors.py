@@ -32,15 +32,27 @@ class InfeasibleError(PlanError):
         self.shortfall_bytes = shortfall_bytes
 
 
+def nearest_name(word: str, known: Iterable[str]) -> str | None:
+    """The known name a misspelt `word` most likely meant, or None: a name that starts with the
+    word (`pooling` → `pooling_factor`) or that the word starts with, the closest of those by
+    length; else difflib's closest match."""
+    names = sorted(str(k) for k in known)
+    stems = [k for k in names if word and (k.startswith(word) or word.startswith(k))]
+    if stems:
+        return min(stems, key=lambda k: (abs(len(k) - len(word)), k))
+    near = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
 def check_keys(given: Iterable[Any], known: Collection[str], where: str, what: str = "field") -> None:
     """Raise one InputError line naming every key of `given` not in `known`, each with the
-    nearest known key as a did-you-mean (difflib), so a misspelt key is never dropped silently."""
+    nearest known key as a did-you-mean (`nearest_name`), so a misspelt key is never dropped silently."""
     unknown = sorted(str(k) for k in given if k not in known)
     if not unknown:
         return
     parts = []
     for key in unknown:
-        near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-        parts.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+        near = nearest_name(key, known)
+        parts.append(f"{key!r}" + (f" (did you mean {near!r}?)" if near else ""))
     raise InputError(f"{where}: unknown {what}{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; "
                      f"known: {', '.join(sorted(known))}")
