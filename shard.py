@@ -56,6 +56,7 @@ def run(cfg: DictConfig) -> float | None:
     from embshard.compare import EVALUATE_MODES, evaluate_task, memory_shortfall, plan_task
     from embshard.hardware.probe import use_probe
     from embshard.report import format_results, format_table, summarize
+    from embshard.search.base import GuardedSharder
     from embshard.task import load_tasks
 
     # Everything a user can get wrong is checked before anything is written.
@@ -85,8 +86,8 @@ def run(cfg: DictConfig) -> float | None:
             # what every known algorithm is meant for, read off its class: infeasibility hints name them
             catalogue = {name: get_class(cfg.searchers[name]._target_).capabilities for name in cfg.searchers}
             cost_model = instantiate(cfg.cost_model) if estimating else None
-            for sharder in sharders.values():  # NeuroShard's measured guard (verify=auto: on when measuring)
-                if callable(getattr(sharder, "attach_evaluator", None)):
+            for sharder in sharders.values():  # the measured guards (verify=auto: on when measuring)
+                if isinstance(sharder, GuardedSharder):
                     sharder.attach_evaluator(evaluator)
             if cfg.evaluate == "traffic":
                 evaluator = instantiate(cfg.traffic)

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 from embshard.costs.base import CostModel, DeviceCosts
 from embshard.errors import EmbshardError, InfeasibleError
 from embshard.plan import Plan, validate
-from embshard.search.base import Capabilities, Sharder
+from embshard.search.base import Capabilities, GuardedSharder, Sharder
 from embshard.task import Task
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
             continue
         # A sharder may report its own pure search time (TorchRec's excludes model building).
         seconds = getattr(sharder, "last_search_seconds", None) or seconds
-        guard = getattr(sharder, "last_guard", None)
+        guard = sharder.last_guard if isinstance(sharder, GuardedSharder) else None
         info = getattr(sharder, "last_search_info", None)
         results.append(
             Result(task.name, name, valid=True, plan=plan, search_seconds=seconds, memory_bytes=plan.memory_bytes(task),
