@@ -174,6 +174,10 @@ def _estimate_caption(judge: dict[str, str | None], results) -> str:
     model = f"the {judge['name']} cost model" + (f" ({judge['checkpoint']})" if judge["checkpoint"] else "")
     lines = [f"costs are ESTIMATES by {model}, not measurements; \"vs best\" compares these estimates "
              "(how far they are from measured costs: 'Fidelity' in docs/neuroshard.md; measure with evaluate=measured)"]
+    fallback = [r for r in results if r.envelope and r.envelope.get("comm_estimate") == "analytic"]
+    if fallback:
+        lines.append(f"the all-to-alls of {len(fallback)} plan(s) are the analytic model's, not the comm models' "
+                     f"({fallback[0].envelope['comm_fallback_reason']}; report.json: envelope.comm_estimate)")
     same = sorted({r.algorithm for r in results if r.search_info and judge["checkpoint"] is not None
                    and r.search_info.get("checkpoint") == judge["checkpoint"]})
     if same:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from embshard.costs.base import CostModel, DeviceCosts
+from embshard.costs.base import CostModel, DeviceCosts, EnvelopeReporting
 from embshard.errors import EmbshardError, InfeasibleError
 from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities, GuardedSharder, Sharder
@@ -214,11 +214,10 @@ def evaluate_task(
             r.traffic = report
         return
     if cost_model is not None:
-        report = getattr(cost_model, "envelope_report", None)
         for r in valid:
             r.estimated = cost_model.device_costs(task, r.plan)
-            if callable(report):
-                r.envelope = report(task, r.plan)
+            if isinstance(cost_model, EnvelopeReporting):
+                r.envelope = cost_model.envelope_report(task, r.plan)
     if mode == "measured":
         # identical plans (a guard that chose its search pick, heuristics that agree) are
         # measured once and share the measurement

@@ -11,7 +11,7 @@ one placement go to the predictor in one batched call (`embshard.search.accumula
 every shard prediction is cached by the multiset of its pieces, so runs for different caps
 share their common prefix. When no device passes the width cap, any device with memory room
 is allowed. Memory goes through the foundation's `MemoryLedger` with this preference order,
-and the look-ahead (`embshard.search.packing.LookAhead`) skips a placement that would leave
+and the look-ahead (`embshard.packing.LookAhead`) skips a placement that would leave
 the remaining pieces unpackable. The plan with the lowest simulated plan cost over all caps
 is kept, and the partitioner remembers its `top_k` cheapest distinct plans over every run.
 
@@ -21,6 +21,7 @@ Nothing here knows where the pieces came from: NeuroShard's beam proposes piece 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -31,7 +32,7 @@ from embshard.costs.predictor import supports_incremental
 from embshard.errors import InfeasibleError
 from embshard.plan import MemoryLedger, Plan, Shard, normalize
 from embshard.search.accumulators import DeviceAccumulator, KeyedDevices, PooledDevices
-from embshard.search.packing import LookAhead
+from embshard.packing import LookAhead
 from embshard.search.pieces import FREE, Piece, PieceBook, PieceSpec
 from embshard.search.simulator import Simulator
 from embshard.task import Task
@@ -39,6 +40,12 @@ from embshard.task import Task
 DEFAULT_CAPS: tuple[float, ...] = tuple(round(1.0 + 0.05 * i, 2) for i in range(11))
 #: "auto" runs the incremental accumulators from this many devices up
 INCREMENTAL_MIN_DEVICES = 16
+#: a placement re-predicts at most this many allowed devices: the ones whose current shard
+#: is predicted cheapest (every device up to 128 devices)
+MAX_CANDIDATE_DEVICES = 128
+#: pieces × devices × caps of one grid, at most: bigger tasks run fewer caps, evenly spread
+#: over the grid (every cap up to 2.2M pieces × devices, e.g. 856 tables × 128 devices × 20)
+GRID_MAX_WORK = 24_000_000
 
 
 @dataclass
@@ -74,15 +81,28 @@ class GreedyPartitioner:
             whole-shard re-prediction (`KeyedDevices`); "auto": from INCREMENTAL_MIN_DEVICES
             devices up. Only where the predictor is an additive `EncodingPredictor`.
         top_k: distinct plans to remember (`plans`).
+        max_candidates: per placement, only this many allowed devices are re-predicted with
+            the piece: those whose current shard is predicted cheapest (ties: more free
+            memory, lower index); None: all. With more devices than this, the cheapest device
+            after the placement is, for an additive cost, among the cheapest before it, and a
+            placement costs O(max_candidates) predictions instead of O(devices).
+        grid_max_work: when pieces × devices × caps exceeds this, the grid runs only as many
+            caps as fit (at least 2: the first and the last, the rest evenly between);
+            None: every cap. `last_caps` says which ran.
     """
 
     def __init__(self, task: Task, simulator: Simulator, book: PieceBook, caps: Sequence[float] = DEFAULT_CAPS,
-                 incremental: bool | str = "auto", top_k: int = 1):
+                 incremental: bool | str = "auto", top_k: int = 1, max_candidates: int | None = MAX_CANDIDATE_DEVICES,
+                 grid_max_work: int | None = GRID_MAX_WORK):
         self.task = task
         self.sim = simulator
         self.book = book
         self.caps = tuple(float(c) for c in caps)
         self.top_k = max(1, int(top_k))
+        self.max_candidates = None if max_candidates is None else max(1, int(max_candidates))
+        self.grid_max_work = None if grid_max_work is None else int(grid_max_work)
+        #: the caps the last grid ran (fewer than asked on a task over grid_max_work)
+        self.last_caps: tuple[float, ...] = self.caps
         self.runs = 0
         self._scores: dict[tuple, GreedyResult | InfeasibleError] = {}
         self._top: list[tuple[float, tuple, Candidate]] = []  # (cost, signature, candidate), sorted
@@ -109,9 +129,19 @@ class GreedyPartitioner:
             raise got
         return got
 
+    def thinned(self, caps: tuple[float, ...], num_pieces: int) -> tuple[float, ...]:
+        """`caps` (sorted), thinned to what `grid_max_work` allows for `num_pieces` pieces."""
+        caps = tuple(sorted(caps))
+        work = num_pieces * self.task.num_devices
+        if self.grid_max_work is None or len(caps) <= 2 or work * len(caps) <= self.grid_max_work:
+            return caps
+        k = max(2, self.grid_max_work // max(work, 1))
+        return tuple(caps[i] for i in sorted({int(round(x)) for x in np.linspace(0, len(caps) - 1, k)}))
+
     def _grid(self, state: tuple[PieceSpec, ...], caps: tuple[float, ...]) -> GreedyResult:
         self.runs += 1
         pieces = self.book.pieces_of(state)
+        caps = self.last_caps = self.thinned(caps, len(pieces))
         fixed = [i for i, p in enumerate(pieces) if p.fixed != FREE]
         free = [i for i, p in enumerate(pieces) if p.fixed == FREE]
         order = sorted(free, key=lambda i: (-pieces[i].single_ms, -pieces[i].need, pieces[i].spec))
@@ -120,7 +150,7 @@ class GreedyPartitioner:
         d = self.task.num_devices
         runs: list[tuple[float, list[int], np.ndarray, np.ndarray]] = []
         first_error: InfeasibleError | None = None
-        for cap in sorted(caps):
+        for cap in caps:
             try:
                 devices, compute, widths, bound = self._place([pieces[i] for i in fixed], ordered, cap * total_width / d)
             except InfeasibleError as e:
@@ -191,9 +221,8 @@ class GreedyPartitioner:
             free[p.fixed] -= p.need
             widths[p.fixed] += p.dim
             devs.add(p.fixed, p, -1)
-        ahead = LookAhead(free, [p.need for p in ordered])
-        names = [p.table.name for p in ordered]
-        split = {n for n in names if names.count(n) > 1}
+        ahead = LookAhead(free, [p.need for p in ordered], fit="worst")
+        split = {n for n, k in Counter(p.table.name for p in ordered).items() if k > 1}
         holds: dict[str, np.ndarray] = {n: np.zeros(d, dtype=bool) for n in split}
         placed: list[int] = []
         bound = False
@@ -212,12 +241,22 @@ class GreedyPartitioner:
             else:
                 bound = True
                 cand = room.nonzero()[0]
+            if self.max_candidates is not None and len(cand) > self.max_candidates:
+                # the cheapest shards now (ties: more free memory, lower index), in device order
+                keep = np.lexsort((cand, -free[cand], devs.cost[cand]))[: self.max_candidates]
+                cand = np.sort(cand[keep])
             c = devs.costs(cand, p)
             preference = cand[np.lexsort((cand, -free[cand], c))].tolist()
-            if capped:  # over the width cap, but usable when the look-ahead needs them
-                rest = (room & ~ok).nonzero()[0]
-                preference += rest[np.argsort(-free[rest], kind="stable")].tolist()
-            dev = ahead.choose(i, free, preference)
+
+            def more(room=room, cand=cand) -> list[int]:
+                # not re-predicted (over the width cap, or beyond max_candidates), but usable
+                # when the look-ahead needs them: most free memory first
+                others = room.copy()
+                others[cand] = False
+                rest = others.nonzero()[0]
+                return rest[np.argsort(-free[rest], kind="stable")].tolist()
+
+            dev = ahead.choose(i, free, preference, more)
             ledger.take(dev, p.need)
             free[dev] -= p.need
             widths[dev] += p.dim

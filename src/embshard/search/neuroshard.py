@@ -4,7 +4,7 @@ or the analytic stand-in), with an optional measured guard.
 
 The roles live in their own modules and serve any planner: piece algebra
 (`embshard.search.pieces`), the greedy partitioner over width caps
-(`embshard.search.greedy`, with its memory look-ahead `embshard.search.packing` and per-device
+(`embshard.search.greedy`, with its memory look-ahead `embshard.packing` and per-device
 accumulators `embshard.search.accumulators`), the predictor protocols and model loading
 (`embshard.costs.predictor`) and the measured guard (`embshard.search.guard`). This module is
 the proposer: which piece sets to try.
@@ -48,14 +48,15 @@ import numpy as np
 
 from embshard.costs.base import DeviceCosts
 from embshard.costs.features import planning_view
+from embshard.costs.neural.models import BatchCostModels
 from embshard.costs.predictor import (BUILD_COMMAND, DEFAULT_CHECKPOINT, ROOT, FixedFamily, LoadedModels,
                                       PredictorFamily, ShardPredictor, batch_ratio, load_models, resolve_path,
                                       supports_incremental)
 from embshard.errors import InfeasibleError, InputError
 from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities
-from embshard.search.greedy import (DEFAULT_CAPS, INCREMENTAL_MIN_DEVICES, Candidate, GreedyPartitioner,
-                                    GreedyResult)
+from embshard.search.greedy import (DEFAULT_CAPS, GRID_MAX_WORK, INCREMENTAL_MIN_DEVICES, MAX_CANDIDATE_DEVICES,
+                                    Candidate, GreedyPartitioner, GreedyResult)
 from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, MeasuredGuard, heuristic_sharders
 from embshard.search.pieces import FREE, PieceBook, PieceSpec, halvable, halve, initial_state, row_split
 from embshard.search.simulator import Simulator, scale_costs
@@ -87,6 +88,8 @@ class NeuroShardSearch:
         beam_max_work: int | None = 8192,
         incremental: bool | str = "auto",
         top_k: int = 1,
+        max_candidates: int | None = MAX_CANDIDATE_DEVICES,
+        grid_max_work: int | None = GRID_MAX_WORK,
     ):
         if not caps:
             raise InputError("neuroshard: caps must not be empty")
@@ -104,7 +107,8 @@ class NeuroShardSearch:
             [tuple(range(d))] if per_host >= d else
             [tuple(range(h, min(h + per_host, d))) for h in range(0, d, per_host)])
         self.book = PieceBook(task, simulator)
-        self.partitioner = GreedyPartitioner(task, simulator, self.book, caps, incremental, top_k)
+        self.partitioner = GreedyPartitioner(task, simulator, self.book, caps, incremental, top_k, max_candidates,
+                                             grid_max_work)
         self.book.encode = self.partitioner.incremental
 
     @property
@@ -266,6 +270,9 @@ class NeuroShardSharder:
             bootstrap 95% interval of their mean cost ratio excludes 1, or this many seconds
             have passed.
         verify_min_rounds, verify_max_rounds: rounds before a decision / at most.
+        max_candidates: per placement, re-predict at most this many allowed devices (those
+            whose shard is predicted cheapest now); None: all (`GreedyPartitioner`).
+        grid_max_work: thin the caps on tasks over this many pieces × devices × caps (None: never).
     """
 
     #: cost models of pooled kernels; splits columns and rows
@@ -291,6 +298,8 @@ class NeuroShardSharder:
         verify_budget_s: float = 60.0,
         verify_min_rounds: int = 3,
         verify_max_rounds: int = 10,
+        max_candidates: int | None = MAX_CANDIDATE_DEVICES,
+        grid_max_work: int | None = GRID_MAX_WORK,
     ):
         for k, v in (("beam_width", beam_width), ("beam_steps", beam_steps), ("candidates", candidates)):
             if int(v) < 0:
@@ -313,6 +322,11 @@ class NeuroShardSharder:
         self.column_wise = bool(column_wise)
         self.row_wise = bool(row_wise)
         self.beam_max_work = None if beam_max_work is None else int(beam_max_work)
+        for k, v in (("max_candidates", max_candidates), ("grid_max_work", grid_max_work)):
+            if v is not None and int(v) < 1:
+                raise InputError(f"neuroshard: {k} must be >= 1 or null, got {v!r}")
+        self.max_candidates = None if max_candidates is None else int(max_candidates)
+        self.grid_max_work = None if grid_max_work is None else int(grid_max_work)
         self.name = name
         self.delay_round_ms = float(delay_round_ms)
         self.incremental = incremental
@@ -377,7 +391,7 @@ class NeuroShardSharder:
             view, self.simulator_for(task), caps=self.caps, beam_width=self.beam_width,
             beam_steps=self.beam_steps, candidates=self.candidates, column_wise=self.column_wise,
             row_wise=self.row_wise, beam_max_work=self.beam_max_work, incremental=self.incremental,
-            top_k=max(1, self.verify_count),
+            top_k=max(1, self.verify_count), max_candidates=self.max_candidates, grid_max_work=self.grid_max_work,
         )
 
     def predicted_costs(self, task: Task, plan: Plan) -> DeviceCosts:
@@ -407,14 +421,19 @@ class NeuroShardSharder:
         self.last_search_seconds = time.perf_counter() - start
         # beam false: the task was over beam_max_work (table-wise grid and memory-forced splits only)
         self.last_search_info = {**self.models().info, "beam": search.beam_ran}
+        fallbacks = search.sim.predictor.fallbacks if isinstance(search.sim.predictor, BatchCostModels) else None
+        if fallbacks:  # the search's all-to-alls the comm models could not be trusted on
+            self.last_search_info["comm_fallbacks"] = dict(fallbacks)
         self.last_costs = self.predicted_costs(task, plan)
         self.last_predicted_cost_ms = self.last_costs.plan_cost_ms
+        tables = task.table_by_name
         self.last_stats = {
             "greedy_runs": search.greedy_runs,
+            "caps_run": len(search.partitioner.last_caps),
             "incremental": search.incremental,
             "beam": search.beam_ran,
             "pieces": len(plan.shards),
-            "row_wise_tables": len({s.table for s in plan.shards if s.rows < task.table_by_name[s.table].rows}),
+            "row_wise_tables": len({s.table for s in plan.shards if s.rows < tables[s.table].rows}),
             **vars(search.sim.stats),
         }
         log.debug("neuroshard %s: %.1f ms predicted, %s", task.name, self.last_predicted_cost_ms, self.last_stats)

@@ -98,19 +98,27 @@ class DreamShardCostNet(nn.Module):
         self.overall = mlp([w, head_hidden, 1])
         self.width = w
 
-    def device_log(self, sums: torch.Tensor, counts: torch.Tensor, device_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def device_log(self, sums: torch.Tensor, counts: torch.Tensor, device_mask: torch.Tensor | None = None,
+                   max_sums: torch.Tensor | None = None) -> torch.Tensor:
         """[..., D, 3] raw head outputs, log(1 + ms) of compute, forward comm, backward comm,
         from per-device encoding sums [..., D, E] and table counts [..., D] (an empty device
-        computes nothing); `device_mask` [..., D] marks real devices when D is padded."""
+        computes nothing); `device_mask` [..., D] marks real devices when D is padded.
+        `max_sums` [..., E]: the element-wise max of the sums over ALL the task's devices, when
+        `sums` holds only some of them (the comm heads' context is taken from it)."""
         feats = self.encoder.features(sums)
-        ctx = self.context(feats, device_mask).unsqueeze(-2).expand_as(feats)
+        if max_sums is None:
+            ctx = self.context(feats, device_mask)
+        else:  # features are monotone in the sums: the max of the features is the features of the max
+            ctx = self.encoder.features(max_sums)
+        ctx = ctx.unsqueeze(-2).expand_as(feats)
         both = torch.cat([feats, ctx], dim=-1)
         compute = self.encoder.compute_log(self.compute, sums, counts)
         return torch.stack([compute, self.forward_comm(both).squeeze(-1), self.backward_comm(both).squeeze(-1)], dim=-1)
 
-    def device_costs(self, sums: torch.Tensor, counts: torch.Tensor, device_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def device_costs(self, sums: torch.Tensor, counts: torch.Tensor, device_mask: torch.Tensor | None = None,
+                     max_sums: torch.Tensor | None = None) -> torch.Tensor:
         """[..., D, 3] predicted ms (see `device_log`)."""
-        return log1p_ms(self.device_log(sums, counts, device_mask))
+        return log1p_ms(self.device_log(sums, counts, device_mask, max_sums))
 
     def plan_log(self, sums: torch.Tensor, device_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[...] raw overall head output, log(1 + plan cost ms)."""
