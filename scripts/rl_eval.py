@@ -14,8 +14,10 @@ training range), and 20-30 tables on 4 devices whose reuse histograms are droppe
 tables: rows, dim, pooling factor only).
 
 The summary gives, per setting and algorithm: mean measured plan cost, the ratio to the
-best of the six heuristic baselines on each task (mean, and the 25th-75th percentile range
-over tasks), how often the algorithm beat that best heuristic, and mean search seconds.
+best of the six heuristic baselines on each task (mean with its bootstrap 95% interval over
+tasks and verdict; the 25th-75th percentile range in the JSON), how often the algorithm beat
+that best heuristic, how many tasks were worse beyond their own paired interval, the mean gap
+to the balance reference beside the ratio, and mean search seconds.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 from embshard.data.tasks import neuroshard_tasks, split_pool, table_pool_from_dataset, write_tasks
 from embshard.io import save_png, write_json_atomic, write_text_atomic
 from embshard.search.rl.stage import heuristic_baselines
+from embshard.stats import paired_ratio_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 HEURISTICS = tuple(heuristic_baselines())
@@ -88,7 +91,7 @@ def summarize_report(report: dict) -> dict:
     algorithms = list(dict.fromkeys(r["algorithm"] for r in report["results"]))
     out = {}
     for a in algorithms:
-        costs, ratios, seconds, wins, invalid = [], [], [], 0, 0
+        costs, ratios, seconds, gaps, wins, invalid, worse = [], [], [], [], 0, 0, 0
         for task, rows in by_task.items():
             best = min((rows[h]["measured_cost_ms"] for h in HEURISTICS if h in rows and rows[h]["valid"]), default=None)
             r = rows.get(a)
@@ -99,6 +102,11 @@ def summarize_report(report: dict) -> dict:
             ratios.append(r["measured_cost_ms"] / best)
             seconds.append(r["search_seconds"] or 0.0)
             wins += r["measured_cost_ms"] < best
+            gap = ((r.get("headroom") or {}).get("measured") or {}).get("gap_pct")
+            if gap is not None:
+                gaps.append(gap)
+            iv = (r.get("vs_best_heuristic") or {}).get("interval") or {}
+            worse += iv.get("verdict") == "worse"
         if not costs:
             out[a] = {"tasks": 0, "invalid": invalid}
             continue
@@ -111,6 +119,11 @@ def summarize_report(report: dict) -> dict:
             "ratio_p75": float(np.percentile(ratios, 75)),
             "ratio_min": float(np.min(ratios)),
             "ratio_max": float(np.max(ratios)),
+            # the mean ratio's bootstrap 95% interval over tasks and its verdict (one task: none)
+            "ratio_ci": paired_ratio_summary(ratios).to_dict() if len(ratios) > 1 else None,
+            # tasks whose own paired interval (repetitions) lies above 1
+            "worse_beyond_interval": int(worse),
+            "mean_gap_pct": float(np.mean(gaps)) if gaps else None,
             "beats_best_heuristic": int(wins),
             "mean_search_seconds": float(np.mean(seconds)),
             "ratios": [round(x, 4) for x in ratios],
@@ -145,8 +158,10 @@ def summarize(args: argparse.Namespace) -> None:
 def markdown(summary: dict) -> str:
     settings = list(summary)
     algorithms = list(dict.fromkeys(a for s in settings for a in summary[s]))
-    lines = ["mean measured plan cost (ms); in brackets: ratio to the best heuristic per task, mean [25th-75th pct], "
-             "tasks better than the best heuristic", "",
+    lines = ["mean measured plan cost (ms); in brackets: ratio to the best heuristic per task, mean [bootstrap 95% "
+             "interval over tasks] and verdict (from two tasks up; one task: [25th-75th pct]), tasks better than the best "
+             "heuristic; then the mean gap to the balance reference (plan cost above mean device compute + the slowest "
+             "device's comm)", "",
              "| algorithm | " + " | ".join(LABELS.get(s, s) for s in settings) + " |",
              "|---" * (len(settings) + 1) + "|"]
     for a in algorithms:
@@ -156,9 +171,12 @@ def markdown(summary: dict) -> str:
             if not m or not m.get("tasks"):
                 cells.append("-")
                 continue
-            cells.append(f"{m['mean_cost_ms']:.1f}{' †' if 'run' in m else ''} ({m['mean_ratio']:.3f} "
-                         f"[{m['ratio_p25']:.2f}-{m['ratio_p75']:.2f}], {m['beats_best_heuristic']}/{m['tasks']})"
-                         + (f" {m['invalid']} invalid" if m["invalid"] else ""))
+            ci = m.get("ratio_ci")
+            ratio = (f"{m['mean_ratio']:.3f} [{ci['low']:.3f}, {ci['high']:.3f}] {ci['verdict']}" if ci else
+                     f"{m['mean_ratio']:.3f} [{m['ratio_p25']:.2f}-{m['ratio_p75']:.2f}]")
+            gap = f"; gap {m['mean_gap_pct']:+.1f}%" if m.get("mean_gap_pct") is not None else ""
+            cells.append(f"{m['mean_cost_ms']:.1f}{' †' if 'run' in m else ''} ({ratio}, {m['beats_best_heuristic']}/"
+                         f"{m['tasks']}{gap})" + (f" {m['invalid']} invalid" if m["invalid"] else ""))
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
     extra = sorted({m["run"] for s in settings for m in summary[s].values() if "run" in m})
     if extra:

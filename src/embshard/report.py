@@ -158,8 +158,9 @@ def summary_columns(metric: str) -> list[Column]:
         Column("± spread", lambda r: _fmt(r.get("mean_spread_ms"), "{:.3f}")),
         Column("vs best", lambda r: _fmt(r["mean_ratio_to_best"], "{:.3f}x")),
         Column("vs best heuristic [95% CI]", lambda r: ratio_text(r.get("vs_best_heuristic"))),
-        Column("imbalance", lambda r: _fmt(r.get("mean_compute_imbalance"), "{:.2f}x")),
+        # beside the ratio: how far the method's own plans are from their balance reference
         Column("gap to balance", lambda r: _fmt(r.get("mean_gap_pct"), "{:+.1f}%")),
+        Column("imbalance", lambda r: _fmt(r.get("mean_compute_imbalance"), "{:.2f}x")),
         Column("out of envelope",
                lambda r: "-" if r.get("devices") is None else f"{r['out_of_envelope_devices']}/{r['devices']}"),
     ]
@@ -172,10 +173,11 @@ def summary_columns(metric: str) -> list[Column]:
 
 
 def format_table(rows: Sequence[dict[str, Any]], metric: str) -> str:
-    """A fixed-width text table of `summarize` rows: cost, spread, ratio to the best plan,
-    compute imbalance (max / mean device), gap to the balance reference (mean compute + the
-    slowest device's comm), device shards outside the cost models' training envelope, and
-    search time. Columns with nothing to show (every cell "-") are left out."""
+    """A fixed-width text table of `summarize` rows: cost, spread, ratio to the best plan, the
+    paired ratio to the best heuristic and beside it the gap to the balance reference (mean
+    compute + the slowest device's comm: how much of the available gain the method leaves),
+    compute imbalance (max / mean device), device shards outside the cost models' training
+    envelope, and search time. Columns with nothing to show (every cell "-") are left out."""
     return render(summary_columns(metric), rows)
 
 
@@ -216,8 +218,8 @@ def result_columns(metric: str, device_memory_bytes: int) -> list[Column]:
         Column("± spread", lambda r: _fmt(r["spread_ms"], "{:.3f}")),
         Column("vs best", lambda r: _fmt(r["ratio_to_best"], "{:.3f}x")),
         Column("vs best heuristic [95% CI]", lambda r: _heur_cell(r["vs_best_heuristic"])),
-        Column("imbalance", lambda r: _fmt(r["compute_imbalance"], "{:.2f}x")),
         Column("gap to balance", lambda r: _fmt(r["gap_pct"], "{:+.1f}%")),
+        Column("imbalance", lambda r: _fmt(r["compute_imbalance"], "{:.2f}x")),
         Column("out of envelope", lambda r: "-" if not r["envelope"]
                else f"{r['envelope']['out_of_envelope_devices']}/{r['envelope']['devices']}"),
     ]
