@@ -31,10 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
+from embshard.data.split import check_unseen, seen_by_checkpoint
 from embshard.data.tasks import neuroshard_tasks, split_pool, table_pool_from_dataset, write_tasks
+from embshard.errors import InputError
 from embshard.io import save_png, write_json_atomic, write_text_atomic
+from embshard.report import summarize_results
 from embshard.search.rl.stage import heuristic_baselines
-from embshard.stats import paired_ratio_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 HEURISTICS = tuple(heuristic_baselines())
@@ -63,12 +65,9 @@ def make_tasks(args: argparse.Namespace) -> None:
 
     pool = table_pool_from_dataset(args.dataset)
     train, test = split_pool(pool, args.test_fraction, args.seed)
-    test_names = {e["name"] for e in test}
+    seen = [seen_by_checkpoint(c) for c in args.checkpoints]
     for ckpt in args.checkpoints:
         card = torch.load(ckpt, map_location="cpu", weights_only=True)["data_card"]
-        seen = set(card["train_tables"]) & test_names
-        if seen:
-            sys.exit(f"error: {ckpt} was trained on {len(seen)} of the test tables (e.g. {sorted(seen)[:3]})")
         if set(card["train_tables"]) != {e["name"] for e in train}:
             print(f"note: {ckpt} was trained on another split than --seed {args.seed} makes", file=sys.stderr)
     out = Path(args.out)
@@ -79,56 +78,13 @@ def make_tasks(args: argparse.Namespace) -> None:
         if not histograms:  # what a user brings: rows, dim, pooling factor; no trace either,
             # so the evaluator draws indices from the calibrated synthetic law
             tasks = [replace(t, tables=tuple(replace(tb, reuse_histogram=None, trace=None) for tb in t.tables)) for t in tasks]
+        try:  # no task holds a table any checkpoint was trained or tuned on
+            check_unseen(tasks, seen, pool=args.dataset)
+        except InputError as e:
+            sys.exit(f"error: {e}")
         write_tasks(tasks, out / name)
         print(f"{name}: {len(tasks)} tasks of {min(len(t.tables) for t in tasks)}-{max(len(t.tables) for t in tasks)} "
               f"test tables on {devices} devices -> {out / name}")
-
-
-def summarize_report(report: dict) -> dict:
-    by_task: dict[str, dict[str, dict]] = {}
-    for r in report["results"]:
-        by_task.setdefault(r["task"], {})[r["algorithm"]] = r
-    algorithms = list(dict.fromkeys(r["algorithm"] for r in report["results"]))
-    out = {}
-    for a in algorithms:
-        costs, ratios, seconds, gaps, wins, invalid, worse = [], [], [], [], 0, 0, 0
-        for task, rows in by_task.items():
-            best = min((rows[h]["measured_cost_ms"] for h in HEURISTICS if h in rows and rows[h]["valid"]), default=None)
-            r = rows.get(a)
-            if r is None or not r["valid"] or r["measured_cost_ms"] is None or best is None:
-                invalid += 1
-                continue
-            costs.append(r["measured_cost_ms"])
-            ratios.append(r["measured_cost_ms"] / best)
-            seconds.append(r["search_seconds"] or 0.0)
-            wins += r["measured_cost_ms"] < best
-            gap = ((r.get("headroom") or {}).get("measured") or {}).get("gap_pct")
-            if gap is not None:
-                gaps.append(gap)
-            iv = (r.get("vs_best_heuristic") or {}).get("interval") or {}
-            worse += iv.get("verdict") == "worse"
-        if not costs:
-            out[a] = {"tasks": 0, "invalid": invalid}
-            continue
-        out[a] = {
-            "tasks": len(costs),
-            "invalid": invalid,
-            "mean_cost_ms": float(np.mean(costs)),
-            "mean_ratio": float(np.mean(ratios)),
-            "ratio_p25": float(np.percentile(ratios, 25)),
-            "ratio_p75": float(np.percentile(ratios, 75)),
-            "ratio_min": float(np.min(ratios)),
-            "ratio_max": float(np.max(ratios)),
-            # the mean ratio's bootstrap 95% interval over tasks and its verdict (one task: none)
-            "ratio_ci": paired_ratio_summary(ratios).to_dict() if len(ratios) > 1 else None,
-            # tasks whose own paired interval (repetitions) lies above 1
-            "worse_beyond_interval": int(worse),
-            "mean_gap_pct": float(np.mean(gaps)) if gaps else None,
-            "beats_best_heuristic": int(wins),
-            "mean_search_seconds": float(np.mean(seconds)),
-            "ratios": [round(x, 4) for x in ratios],
-        }
-    return out
 
 
 def summarize(args: argparse.Namespace) -> None:
@@ -137,11 +93,11 @@ def summarize(args: argparse.Namespace) -> None:
     for name in list(SETTINGS) + sorted(p.name for p in runs.iterdir() if p.is_dir() and p.name not in SETTINGS):
         f = runs / name / "report.json"
         if f.is_file():
-            summary[name] = summarize_report(json.loads(f.read_text()))
+            summary[name] = summarize_results(json.loads(f.read_text()))
             for extra in args.extra:  # a later pass on the same tasks: its algorithms, against its own heuristics
                 g = Path(extra) / name / "report.json"
                 if g.is_file():
-                    for a, m in summarize_report(json.loads(g.read_text())).items():
+                    for a, m in summarize_results(json.loads(g.read_text())).items():
                         if a not in summary[name]:
                             summary[name][a] = dict(m, run=str(Path(extra)))
     if not summary:
