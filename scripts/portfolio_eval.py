@@ -106,6 +106,8 @@ def make_tasks(args: argparse.Namespace) -> None:
             check_unseen(tasks, seen, pool=str(dataset))
         except InputError as e:
             sys.exit(f"error: {e}")
+        for stale in (out / name).glob("pe-*.json"):  # a previous run's tasks (another --num-tasks)
+            stale.unlink()
         write_tasks(tasks, out / name)
         print(f"{name}: {len(tasks)} tasks of {min(len(t.tables) for t in tasks)}-{max(len(t.tables) for t in tasks)} "
               f"test tables on {devices} devices, batch {'/'.join(map(str, BATCHES))} -> {out / name}")

@@ -7,7 +7,9 @@ and table counts, then a summary of shard.py's measured reports.
 
 (`make rl-eval` runs all three.) Tasks are drawn from the TEST half of the pool split the
 training used (`split_pool`, same fraction and seed) and the script refuses to write them
-if any of their tables is among a checkpoint's training tables. Settings: 20-30 tables on
+if any of their tables is among a checkpoint's training tables (`check_unseen`). With
+`--split validation`, tasks of the validation tables of the three-way split instead (the
+held-out half cut in two, `embshard.data.split.TableSplit`): where switches are chosen. Settings: 20-30 tables on
 4 devices (the training range and device count, unseen tables), on 2 and on 8 devices
 (unseen device counts), 8-12 and 40-48 tables on 4 devices (table counts outside the
 training range), and 20-30 tables on 4 devices whose reuse histograms are dropped (a user's
@@ -66,15 +68,23 @@ def make_tasks(args: argparse.Namespace) -> None:
     pool = table_pool_from_dataset(args.dataset)
     train, test = split_pool(pool, args.test_fraction, args.seed)
     seen = [seen_by_checkpoint(c) for c in args.checkpoints]
+    if args.split == "validation":  # the choices' tasks: the validation tables of the three-way split
+        from embshard.data.split import TableSplit
+
+        held = TableSplit.of_pool(pool, args.test_fraction / 2, args.test_fraction / 2, args.seed)
+        test, seen = held.entries(pool, "validation"), []
     for ckpt in args.checkpoints:
         card = torch.load(ckpt, map_location="cpu", weights_only=True)["data_card"]
         if set(card["train_tables"]) != {e["name"] for e in train}:
             print(f"note: {ckpt} was trained on another split than --seed {args.seed} makes", file=sys.stderr)
     out = Path(args.out)
     for name, (lo, hi, devices, offset, histograms) in SETTINGS.items():
+        if hi > len(test):
+            print(f"{name}: skipped ({hi} tables; the {args.split} tables are {len(test)})", file=sys.stderr)
+            continue
         tasks = neuroshard_tasks(test, args.num_tasks, min_tables=lo, max_tables=hi, dims=[4, 8, 16, 32, 64, 128],
                                  max_total_bytes=args.max_total_bytes, num_devices=devices, batch_size=args.batch_size,
-                                 seed=args.seed * 100 + offset, name_prefix=f"rl-eval-{name}")
+                                 seed=args.seed * 100 + offset, name_prefix=f"rl-{'val' if args.split == 'validation' else 'eval'}-{name}")
         if not histograms:  # what a user brings: rows, dim, pooling factor; no trace either,
             # so the evaluator draws indices from the calibrated synthetic law
             tasks = [replace(t, tables=tuple(replace(tb, reuse_histogram=None, trace=None) for tb in t.tables)) for t in tasks]
@@ -84,7 +94,7 @@ def make_tasks(args: argparse.Namespace) -> None:
             sys.exit(f"error: {e}")
         write_tasks(tasks, out / name)
         print(f"{name}: {len(tasks)} tasks of {min(len(t.tables) for t in tasks)}-{max(len(t.tables) for t in tasks)} "
-              f"test tables on {devices} devices -> {out / name}")
+              f"{'validation' if args.split == 'validation' else 'test'} tables on {devices} devices -> {out / name}")
 
 
 def summarize(args: argparse.Namespace) -> None:
@@ -246,6 +256,9 @@ def main() -> None:
     t.add_argument("--seed", type=int, default=0, help="the split's seed (train.py's seed when the policies were trained)")
     t.add_argument("--batch-size", type=int, default=4096)
     t.add_argument("--max-total-bytes", type=int, default=1 << 30)
+    t.add_argument("--split", choices=("heldout", "validation"), default="heldout",
+                   help="heldout: the held-out half of the two-way split (the evaluation); validation: the "
+                        "validation quarter of the three-way split (embshard.data.split), where choices are made")
     s = sub.add_parser("summarize", help="summarise shard.py reports, one <setting>/report.json each")
     s.add_argument("runs")
     s.add_argument("--out", default=str(ROOT / "docs" / "rl"))

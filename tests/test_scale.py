@@ -220,3 +220,19 @@ def test_rl_candidate_devices_plan_validly_and_estimate_the_plan_they_made(cls):
     validate(task, few)
     # a lazy state refreshes every device before estimating: the estimate is the plan's
     assert est_few == pytest.approx(agent.estimate_plan(task, few), rel=1e-5)
+
+
+def test_shipped_dreamshard_estimates_far_outside_its_training_from_its_own_network():
+    """Item 2: the shipped DreamShard (structured comm heads) was trained on 20-30 tables at 4
+    devices and batch 4096; at 300 tables on 64 devices and batch 65536 its own estimate stays
+    within the trust factor of the analytic model (the previous network's was 1e5-1e6 times it)."""
+    bundle = torch.load(ROOT / "checkpoints" / "dreamshard_cpu" / "policy.pt", map_location="cpu", weights_only=True)
+    assert bundle["hparams"]["costnet"]["structured_comm"] is True
+    assert set(bundle["data_card"]["split"]) >= {"train", "validation", "test", "keys"}
+    s = DreamShardSharder("checkpoints/dreamshard_cpu/policy.pt", samples=0)
+    task = make_task(300, 64, batch=65536)
+    plan = s.shard(task)
+    est = s.last_search_info["estimate"]
+    assert est["source"] == "cost network"
+    ref = AnalyticCostModel().device_costs(task, plan).plan_cost_ms
+    assert 0.5 < est["ms"] / ref < 3.0

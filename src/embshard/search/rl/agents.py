@@ -19,7 +19,7 @@ from embshard.plan import Plan
 from embshard.search.rl.env import Rollouts, TaskView
 from embshard.search.rl.features import FeatureNorm
 from embshard.search.rl.losses import masked_entropy, masked_log_softmax, normalised_advantages, reinforce_loss, vtrace
-from embshard.search.rl.nets import AutoShardNet, DreamShardCostNet, DreamShardPolicy, cost_features
+from embshard.search.rl.nets import AutoShardNet, DreamShardCostNet, DreamShardPolicy, TaskContext, cost_features
 from embshard.task import Task
 
 ESTIMATES = ("overall", "devices")
@@ -117,6 +117,8 @@ class DreamShardAgent(_Estimating):
         k, d = state["cnt"].shape
         if cand is not None:
             return self._step_candidates(view, state, t, cand)
+        if self.costnet.structured_comm:  # every device a candidate, with the task's context
+            return self._step_candidates(view, state, t, torch.arange(d).expand(k, d), record=True)
         cf = cost_features(state["costs"], view.even_ms)
         rec = {"cost": cf}
         table_enc = whatif = None
@@ -128,21 +130,36 @@ class DreamShardAgent(_Estimating):
         logits = self.policy.logits(state["U"] * (d / view.num_tables), cf, table_enc, whatif)
         return logits, rec
 
-    def _step_candidates(self, view, state, t, cand):
-        """[K, M] logits of the candidate devices `cand` [K, M] only (lazy planning state)."""
+    def _step_candidates(self, view, state, t, cand, record: bool = False):
+        """[K, M] logits of the candidate devices `cand` [K, M] only (a lazy planning state, or
+        every device of a structured-comm cost network, `record`ing the training inputs)."""
         k, d = state["cnt"].shape
         s = _rows(state["S"], cand)
         cnt = state["cnt"].gather(1, cand)
-        cf = cost_features(self.costnet.device_costs(s, cnt, max_sums=state["Smax"]), view.even_ms)
+        smax = state["Smax"] if "Smax" in state else state["S"].max(dim=1).values
+        net = self.costnet
+        task = self._task_context(state, d) if net.structured_comm else None
+        cf = cost_features(net.device_costs(s, cnt, max_sums=smax, task=task), view.even_ms)
+        rec = {"cost": cf} if record else {}
         table_enc = whatif = None
         if self.policy.encode_table:
             enc = view.cache["enc_c"][t]
-            # as `step`: every device's cost were it to take the table (the context's max too)
-            whatif = cost_features(self.costnet.device_costs(s + enc, cnt + 1, max_sums=state["Smax"] + enc),
-                                   view.even_ms)
+            # as `step`: every device's cost were it to take the table (the context's max too;
+            # the task's payload grows by the table's, once)
+            task_if = None if task is None else TaskContext(task.total_mb + net.encoder.volume_mb(enc), task.devices,
+                                                           task.slowest_ms)
+            whatif = cost_features(net.device_costs(s + enc, cnt + 1, max_sums=smax + enc, task=task_if), view.even_ms)
+            if record:
+                rec["whatif"] = whatif
             table_enc = state["enc_p"][t].expand(k, -1)
         logits = self.policy.logits(_rows(state["U"], cand) * (d / view.num_tables), cf, table_enc, whatif)
-        return logits, {}
+        return logits, rec
+
+    def _task_context(self, state, d: int) -> TaskContext:
+        """The structured comm heads' view of all devices: total payload, count, slowest compute."""
+        k = state["cnt"].shape[0]
+        return TaskContext(self.costnet.encoder.volume_mb(state["S"]).sum(-1), torch.full((k,), float(d)),
+                           state["costs"][..., 0].max(-1).values)
 
     def candidate_scores(self, view, state) -> torch.Tensor:
         """[K, D] the devices' predicted cost now, lowest first (stale but for the devices that
@@ -160,7 +177,9 @@ class DreamShardAgent(_Estimating):
         rows = torch.arange(len(devices))
         s = state["S"][rows, devices]
         state["Smax"] = torch.maximum(state["Smax"], s)
-        fresh = self.costnet.device_costs(s[:, None], state["cnt"][rows, devices][:, None], max_sums=state["Smax"])
+        task = self._task_context(state, view.num_devices) if self.costnet.structured_comm else None
+        fresh = self.costnet.device_costs(s[:, None], state["cnt"][rows, devices][:, None], max_sums=state["Smax"],
+                                          task=task)
         state["costs"][rows, devices] = torch.where(placed[:, None], fresh[:, 0], state["costs"][rows, devices])
 
     def finish(self, view, state) -> None:

@@ -9,7 +9,8 @@ choosing anything. Writes to `out_dir`:
 
 * `policy.pt`: the checkpoint (`search=dreamshard|autoshard ...checkpoint=<it>`);
 * `data_card.md`, `metrics.json` (per-iteration curves, validation), `curves.png`;
-* `measured_plans.jsonl`: every plan measured in training (task, plan, measured device costs,
+* `measured_plans.jsonl`: every measured plan training learned from, the replayed ones
+  (`rl.replay`) first, then those measured in training (task, plan, measured device costs,
   the estimate at the time), to check the cost network's fidelity or to reuse as cost data;
 * `split.json` (train / validation / test table names and keys), `logs/` (Lightning's CSVLogger) and `wandb/`
   (offline), in `rl.log_dir` instead when set (the shipped checkpoints keep logs out of git).
@@ -342,6 +343,7 @@ def run_rl(c: dict[str, Any], dataset: Path | None, out_dir: Path, make_evaluato
         "replayed_plans": len(replayed),
         "replay": c.get("replay"),
         "switches": switches_of(c),
+        "nets": c["nets"][c["algorithm"]],
         "seed": seed,
         **{k: round(v, 1) for k, v in timing.items()},
     }
@@ -349,7 +351,9 @@ def run_rl(c: dict[str, Any], dataset: Path | None, out_dir: Path, make_evaluato
     save_checkpoint(out_dir / POLICY_FILE, agent, hparams, switches_of(c), card, metrics)
     write_json_atomic(out_dir / "metrics.json", {"data_card": card, **metrics})
     write_json_atomic(out_dir / "split.json", {k: v for k, v in split.items()})
-    write_text_atomic(out_dir / "measured_plans.jsonl", "".join(json.dumps(r) + "\n" for r in module.measured_plans))
+    # every measured plan the cost network learned from: the replayed ones (rl.replay) first
+    write_text_atomic(out_dir / "measured_plans.jsonl",
+                      "".join(json.dumps(r) + "\n" for r in [*replayed, *module.measured_plans]))
     write_text_atomic(out_dir / "data_card.md", data_card_markdown(card, metrics, c["algorithm"], command))
     if module.history:
         plot_curves(module.history, out_dir / "curves.png", c["algorithm"])
@@ -383,4 +387,10 @@ def run_from_config(cfg: Any, dataset: Callable[[], Path], out_dir: Path) -> flo
     make_evaluator = (lambda: instantiate(hw)) if hw is not None else None
     data = None if c.get("task_dir") else dataset()
     command = f"python train.py stage=rl rl={c['algorithm']} ..."
+    try:  # the overrides as typed, for the data card
+        from hydra.core.hydra_config import HydraConfig
+
+        command = "python train.py " + " ".join(HydraConfig.get().overrides.task)
+    except ValueError:  # not under Hydra (a test calling it directly)
+        pass
     return run_rl(c, data, out_dir, make_evaluator, command=command)
