@@ -47,12 +47,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-histograms", action="store_true",
                     help="drop the tables' reuse histograms (a user's tables: the searchers impute them)")
+    ap.add_argument("--save-task", default=None, metavar="PATH",
+                    help="write the task JSON (after --no-histograms) to PATH and stop (for shard.py)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     task, warm = planning_bench_tasks(args.tables, args.devices, ROOT / "data", trace_batch=args.trace_batch, seed=args.seed)
     if args.no_histograms:
         task = replace(task, tables=tuple(replace(t, reuse_histogram=None, trace=None) for t in task.tables))
+    if args.save_task:
+        task.save(args.save_task)
+        print(f"wrote {args.save_task}")
+        return
     print(f"task {task.name}: {len(task.tables)} tables, {task.num_devices} devices, "
           f"{task.device_memory_bytes / 2**30:.2f} GiB per device" + (", no histograms" if args.no_histograms else ""))
     analytic = AnalyticCostModel()

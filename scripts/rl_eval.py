@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embshard.data.split import check_unseen, seen_by_checkpoint
+from embshard.data.split import SeenTables, check_unseen, seen_by_checkpoint
 from embshard.data.tasks import neuroshard_tasks, split_pool, table_pool_from_dataset, write_tasks
 from embshard.errors import InputError
 from embshard.io import save_png, write_json_atomic, write_text_atomic
@@ -51,6 +51,11 @@ SETTINGS: dict[str, tuple[int, int, int, int, bool]] = {
     "8-12x4": (8, 12, 4, 14, True),
     "40-48x4": (40, 48, 4, 15, True),
     "20-30x4-nohist": (20, 30, 4, 16, False),
+}
+#: more settings, written only when named (`tasks --settings`): device counts far from training
+EXTRA_SETTINGS: dict[str, tuple[int, int, int, int, bool]] = {
+    "20-30x16": (20, 30, 16, 17, True),
+    "20-30x32": (20, 30, 32, 18, True),
 }
 LABELS = {
     "20-30x4": "unseen tables, 4 devices (trained: 4)",
@@ -72,13 +77,19 @@ def make_tasks(args: argparse.Namespace) -> None:
         from embshard.data.split import TableSplit
 
         held = TableSplit.of_pool(pool, args.test_fraction / 2, args.test_fraction / 2, args.seed)
-        test, seen = held.entries(pool, "validation"), []
+        # validation tasks hold no train table either (checkpoints count validation tables as seen)
+        test, seen = held.entries(pool, "validation"), [SeenTables("the split's train tables", held.seen("validation"))]
     for ckpt in args.checkpoints:
         card = torch.load(ckpt, map_location="cpu", weights_only=True)["data_card"]
         if set(card["train_tables"]) != {e["name"] for e in train}:
             print(f"note: {ckpt} was trained on another split than --seed {args.seed} makes", file=sys.stderr)
     out = Path(args.out)
-    for name, (lo, hi, devices, offset, histograms) in SETTINGS.items():
+    known = {**SETTINGS, **EXTRA_SETTINGS}
+    unknown = [n for n in args.settings or [] if n not in known]
+    if unknown:
+        sys.exit(f"error: unknown setting(s) {unknown}; known: {', '.join(known)}")
+    for name, (lo, hi, devices, offset, histograms) in ({n: known[n] for n in args.settings} if args.settings
+                                                         else SETTINGS).items():
         if hi > len(test):
             print(f"{name}: skipped ({hi} tables; the {args.split} tables are {len(test)})", file=sys.stderr)
             continue
@@ -243,6 +254,44 @@ def estimate(args: argparse.Namespace) -> None:
     print(table)
 
 
+def agreement(args: argparse.Namespace) -> None:
+    """How far each DreamShard policy's own estimate of its plan lies from NeuroShard's cost
+    models' and from the analytic model's estimate of the same plan (geometric mean of the
+    ratios over a setting's tasks, and the largest): where the network extrapolates."""
+    import torch
+
+    from embshard.costs.analytic import AnalyticCostModel
+    from embshard.costs.neural import NeuralCostModels
+    from embshard.search.rl.checkpoint import load_checkpoint
+    from embshard.search.rl.env import best_plan
+    from embshard.task import load_tasks
+
+    models, analytic = NeuralCostModels.load(args.estimator), AnalyticCostModel()
+    settings = {Path(f).name: load_tasks(f) for f in args.tasks}
+    lines = ["the policy's estimate of its argmax plan over NeuroShard's cost models' / over the analytic model's "
+             "(geometric mean over tasks; the largest in brackets)", "",
+             "| policy | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+    for spec in args.policies:
+        name, _, path = spec.partition("=")
+        agent, _ = load_checkpoint(path, "dreamshard")
+        cells = []
+        for tasks in settings.values():
+            r_ns, r_an = [], []
+            for task in tasks:
+                with torch.no_grad():
+                    plan, _ = best_plan(agent, task, 0)
+                    own = agent.estimate_plan(task, plan)
+                r_ns.append(own / models.device_costs(task, plan).plan_cost_ms)
+                r_an.append(own / analytic.device_costs(task, plan).plan_cost_ms)
+            g = lambda r: float(np.exp(np.mean(np.log(r))))  # noqa: E731
+            cells.append(f"{g(r_ns):.3g}x / {g(r_an):.3g}x (max {max(r_an):.3g}x)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n"
+    out = Path(args.out)
+    write_text_atomic(out / f"{args.name}.md", table)
+    print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -256,6 +305,8 @@ def main() -> None:
     t.add_argument("--seed", type=int, default=0, help="the split's seed (train.py's seed when the policies were trained)")
     t.add_argument("--batch-size", type=int, default=4096)
     t.add_argument("--max-total-bytes", type=int, default=1 << 30)
+    t.add_argument("--settings", nargs="*", default=None,
+                   help=f"which settings (default: {' '.join(SETTINGS)}; more: {' '.join(EXTRA_SETTINGS)})")
     t.add_argument("--split", choices=("heldout", "validation"), default="heldout",
                    help="heldout: the held-out half of the two-way split (the evaluation); validation: the "
                         "validation quarter of the three-way split (embshard.data.split), where choices are made")
@@ -272,8 +323,14 @@ def main() -> None:
                    help="NeuroShard cost models (cost_models.pt) that judge every plan")
     e.add_argument("--out", default=str(ROOT / "docs" / "rl"))
     e.add_argument("--name", default="ablation_estimated")
+    g = sub.add_parser("agreement", help="DreamShard policies' own estimates against the cost models' and the analytic's")
+    g.add_argument("--tasks", nargs="+", required=True, help="setting folders of task JSONs")
+    g.add_argument("--policies", nargs="+", required=True, help="name=policy.pt (DreamShard)")
+    g.add_argument("--estimator", default="checkpoints/cpu_fbgemm/cost_models.pt")
+    g.add_argument("--out", default=str(ROOT / "docs" / "rl"))
+    g.add_argument("--name", default="agreement")
     args = ap.parse_args()
-    {"tasks": make_tasks, "summarize": summarize, "estimate": estimate}[args.cmd](args)
+    {"tasks": make_tasks, "summarize": summarize, "estimate": estimate, "agreement": agreement}[args.cmd](args)
 
 
 if __name__ == "__main__":
