@@ -136,7 +136,8 @@ def test_portfolio_measured_on_real_kernels_returns_its_measured_best(tmp_path):
         [sys.executable, str(ROOT / "shard.py"), f"task_file={tmp_path / 'task.json'}", "algorithms=[portfolio]",
          "evaluate=measured", "measure=quick", "rounds=1", "plot=false", "searchers.portfolio.verify=2",
          "searchers.portfolio.verify_heuristics=[size_lookup_greedy,lookup_greedy]",
-         "searchers.portfolio.verify_visits=1", "searchers.portfolio.verify_budget_s=15", f"out_dir={out}"],
+         "searchers.portfolio.verify_visits=1", "searchers.portfolio.verify_budget_s=5",
+         "searchers.portfolio.verify_min_rounds=2", "searchers.portfolio.verify_max_rounds=3", f"out_dir={out}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "report.json").read_text())
