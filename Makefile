@@ -213,8 +213,8 @@ flexshard: $(STAMP)
 # tasks (4 devices; 2 and 8 devices; 8-12 and 40-48 tables; no histograms; batch 8192 and 16384 in
 # turn), every algorithm including the portfolio, measured (NeuroShard's and the portfolio's guards
 # on), then per setting the ratio to the best heuristic with its bootstrap interval over tasks,
-# the gap to balance, and each aim met / not met / not resolved. About 7 hours here with
-# PE_TASKS=24 (a tiny run of 1 task per setting under measure=quick took 9 min). The tiny check:
+# the gap to balance, and each aim met / not met / not resolved. About 12 hours here with
+# PE_TASKS=24 (an estimate; the tiny check below, 1 task per setting, took 29 min). The tiny check:
 #   make portfolio-eval PE=/tmp/pe PE_TASKS=1 PE_MEASURE=quick \
 #     PE_EXTRA="searchers.neuroshard.verify_budget_s=10 searchers.portfolio.verify_budget_s=10"
 PE ?= experiments/portfolio_eval
