@@ -125,28 +125,28 @@ def test_members_follow_the_searchers_overrides():
 
 
 @pytest.mark.slow
-def test_portfolio_measured_on_real_kernels_returns_its_measured_best(tmp_path):
-    """shard.py evaluate=measured on a tiny task (quick protocol): report.json names the member
-    that won and the interval; the plan returned is the guard's rule applied to what it measured."""
+def test_portfolio_measured_on_real_kernels_returns_its_measured_best():
+    """Every default member plans a tiny task, and the guard measures on FBGEMM's CPU kernel (a
+    kernels-only evaluator, one visit of two steps): the row shard.py writes names the member that
+    won and the interval, and the plan returned is the guard's rule applied to what it measured."""
+    from embshard.compare import plan_task
+    from embshard.hardware.evaluator import HardwareEvaluator
+    from embshard.hardware.protocol import MeasurementProtocol
+
     task = tiny_task()
-    task.save(tmp_path / "task.json")
-    out = tmp_path / "out"
-    env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "shard.py"), f"task_file={tmp_path / 'task.json'}", "algorithms=[portfolio]",
-         "evaluate=measured", "measure=quick", "rounds=1", "plot=false", "searchers.portfolio.verify=2",
-         "searchers.portfolio.verify_heuristics=[size_lookup_greedy,lookup_greedy]",
-         "searchers.portfolio.verify_visits=1", "searchers.portfolio.verify_budget_s=5",
-         "searchers.portfolio.verify_min_rounds=2", "searchers.portfolio.verify_max_rounds=3", f"out_dir={out}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads((out / "report.json").read_text())
-    rows = {r["algorithm"]: r for r in report["results"]}
-    assert set(rows) == {"portfolio", "portfolio_pick"}
+    p = PortfolioSharder(verify=2, verify_heuristics=["size_lookup_greedy", "lookup_greedy"], verify_visits=1,
+                         verify_budget_s=5, verify_min_rounds=2, verify_max_rounds=2)
+    p.attach_evaluator(HardwareEvaluator(comm_backend=None, protocol=MeasurementProtocol(repetitions=2, visits=1,
+                                                                                          probe=False), seed=0))
+    results = {r.algorithm: r for r in plan_task(task, {"portfolio": p})}
+    rows = {name: r.to_dict() for name, r in results.items()}  # what report.json holds per result
+    assert set(rows) == {"portfolio", "portfolio_pick"} and all(r["valid"] for r in rows.values())
     info, guard = rows["portfolio"]["search_info"]["portfolio"], rows["portfolio"]["guard"]
+    assert {m["member"] for m in info["members"]} >= {"neuroshard", "dreamshard", "autoshard", "size_lookup_greedy"}
     assert info["won"] == guard["chosen"] and info["pick"] == guard["search_pick"] == info["ranking"][0]
     cands = guard["candidates"]
     assert [c["label"] for c in cands if c["source"] == "search"] == info["ranking"][:2]
+    assert all(c["measured_ms"] > 0 for c in cands)
     s = min((c for c in cands if c["source"] == "search"), key=lambda c: c["measured_ms"])["label"]
     h = min((c for c in cands if c["source"] == "heuristic"), key=lambda c: c["measured_ms"])["label"]
     verdict = guard["decision"]["verdict"]
@@ -156,8 +156,8 @@ def test_portfolio_measured_on_real_kernels_returns_its_measured_best(tmp_path):
     else:
         assert info["won"] == (s if verdict == "better" else h)
         assert info["interval"] == guard["decision"]["ratio"] and info["interval"]["low"] <= info["interval"]["high"]
-    plan = Plan.load(out / "plans" / "portfolio.json")
-    validate(task, plan)
+    validate(task, results["portfolio"].plan)
+    assert results["portfolio_pick"].plan.signature() == p.last_search_pick.signature()
 
 
 # ----------------------------------------------------------------------------- item 5: headroom beside the ratio
