@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-eval rl-ablation rl-bench compare-planners planner-bench
+.PHONY: demo test venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval scale-bench
 
 venv: $(STAMP)
 
@@ -241,3 +241,37 @@ compare-planners: $(STAMP)
 # EmbShardPlanner.plan on an 856-table module for 128 ranks (meta device): seconds per algorithm.
 planner-bench: $(STAMP)
 	$(PY) scripts/bench_embshard_planner.py --algorithms neuroshard,autoshard,dreamshard,size_lookup_greedy
+
+# The measured evaluation of issue 18 (docs/portfolio.md): fresh test tasks of the test tables of a
+# 512-table synthetic pool that no checkpoint trained on (seed 2, split 50/25/25 %; the script
+# refuses a task holding a table any checkpoint was trained or tuned on), 6 settings of PE_TASKS
+# tasks (4 devices; 2 and 8 devices; 8-12 and 40-48 tables; no histograms; batch 8192 and 16384 in
+# turn), every algorithm including the portfolio, measured (NeuroShard's and the portfolio's guards
+# on), then per setting the ratio to the best heuristic with its bootstrap interval over tasks,
+# the gap to balance, and each aim met / not met / not resolved. About 12 hours here with
+# PE_TASKS=24 (an estimate; the tiny check below, 1 task per setting, took 29 min). The tiny check:
+#   make portfolio-eval PE=/tmp/pe PE_TASKS=1 PE_MEASURE=quick \
+#     PE_EXTRA="searchers.neuroshard.verify_budget_s=10 searchers.portfolio.verify_budget_s=10"
+PE ?= experiments/portfolio_eval
+PE_TASKS ?= 24
+PE_MEASURE ?= cpu
+PE_ROUNDS ?= 2
+PE_EXTRA ?=
+PE_ALGOS := [random,round_robin,size_greedy,dim_greedy,lookup_greedy,size_lookup_greedy,torchrec,neuroshard,dreamshard,autoshard,portfolio]
+PE_SETTINGS := 20-30x4 20-30x2 20-30x8 8-12x4 40-48x4 20-30x4-nohist
+
+portfolio-eval: $(STAMP)
+	$(PY) scripts/portfolio_eval.py tasks --num-tasks $(PE_TASKS) --out $(PE)/tasks
+	for s in $(PE_SETTINGS); do \
+		$(PY) shard.py task_file=$(PE)/tasks/$$s algorithms=$(PE_ALGOS) evaluate=measured measure=$(PE_MEASURE) \
+			rounds=$(PE_ROUNDS) plot=false $(PE_EXTRA) out_dir=$(PE)/runs/$$s || exit 1; \
+	done
+	$(PY) scripts/portfolio_eval.py summarize $(PE)/runs --out $(PE)
+
+# Planning time and estimates at scale (docs/portfolio.md, "Scale"): every planner at 856 x 128 and
+# 5,384 x 1,024 (no measuring; a few minutes).
+scale-bench: $(STAMP)
+	$(PY) scripts/bench_neuroshard_planning.py --checkpoint $(CKPT)/cost_models.pt --repeats 3
+	$(PY) scripts/bench_neuroshard_planning.py --checkpoint $(CKPT)/cost_models.pt --tables 5384 --devices 1024
+	$(PY) scripts/bench_rl_planning.py --samples 0,8
+	$(PY) scripts/bench_rl_planning.py --tables 5384 --devices 1024 --repeats 1 --samples 0

@@ -55,6 +55,7 @@ def run(cfg: DictConfig) -> float | None:
     from embshard.compare import EVALUATE_MODES, evaluate_task, memory_shortfall, plan_task
     from embshard.hardware.probe import use_probe
     from embshard.report import format_results, format_table, summarize
+    from embshard.search.base import GuardedSharder
     from embshard.task import load_tasks
 
     # Everything a user can get wrong is checked before anything is written.
@@ -93,8 +94,8 @@ def run(cfg: DictConfig) -> float | None:
             # what every known algorithm is meant for, read off its class: infeasibility hints name them
             catalogue = {name: get_class(cfg.searchers[name]._target_).capabilities for name in cfg.searchers}
             cost_model = instantiate(cfg.cost_model) if estimating else None
-            for sharder in sharders.values():  # NeuroShard's measured guard (verify=auto: on when measuring)
-                if callable(getattr(sharder, "attach_evaluator", None)):
+            for sharder in sharders.values():  # the measured guards (verify=auto: on when measuring)
+                if isinstance(sharder, GuardedSharder):
                     sharder.attach_evaluator(evaluator)
             if cfg.evaluate == "traffic":
                 evaluator = instantiate(cfg.traffic)
@@ -201,6 +202,10 @@ def _estimate_caption(judge: dict[str, str | None], results) -> str:
     model = f"the {judge['name']} cost model" + (f" ({judge['checkpoint']})" if judge["checkpoint"] else "")
     lines = [f"costs are ESTIMATES by {model}, not measurements; \"vs best\" compares these estimates "
              "(how far they are from measured costs: 'Fidelity' in docs/neuroshard.md; measure with evaluate=measured)"]
+    fallback = [r for r in results if r.envelope and r.envelope.get("comm_estimate") == "analytic"]
+    if fallback:
+        lines.append(f"the all-to-alls of {len(fallback)} plan(s) are the analytic model's, not the comm models' "
+                     f"({fallback[0].envelope['comm_fallback_reason']}; report.json: envelope.comm_estimate)")
     same = sorted({r.algorithm for r in results if r.search_info and judge["checkpoint"] is not None
                    and r.search_info.get("checkpoint") == judge["checkpoint"]})
     if same:

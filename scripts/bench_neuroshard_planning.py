@@ -3,6 +3,7 @@
 Example:
     .venv/bin/python scripts/bench_neuroshard_planning.py
     .venv/bin/python scripts/bench_neuroshard_planning.py --checkpoint checkpoints/cpu_fbgemm/cost_models.pt --torchrec
+    .venv/bin/python scripts/bench_neuroshard_planning.py --tables 5384 --devices 1024 --checkpoint checkpoints/cpu_fbgemm/cost_models.pt
 
 The task is a NeuroShard-style draw of all 856 tables of a synthetic pool (dims {4..128},
 batch 65536, device memory 1.5x an even share, at least 1.05x the largest table). The pool
@@ -10,6 +11,10 @@ comes from a synthetic dlrm_datasets file cached under data/ (generated on first
 small trace batch: only the table features matter here). Prints the search seconds with the
 analytic cost model behind the predictor interface, with the neural checkpoint when given,
 and with TorchRec's planner when asked; one untimed warm-up plan per planner runs first.
+Per planner: wall seconds (what a user waits) and the process's CPU seconds (what the search
+costs: on a machine shared with other jobs the wall time is longer), the search's own estimate
+of its plan, the analytic model's estimate of the same plan and their ratio, and which
+all-to-alls the neural models left to the analytic model (search_info.comm_fallbacks).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import logging
 import time
 from pathlib import Path
 
+from embshard.costs.analytic import AnalyticCostModel
 from embshard.data.tasks import planning_bench_tasks
 from embshard.search.neuroshard import NeuroShardSharder
 
@@ -48,21 +54,28 @@ def main() -> None:
         from embshard.search.torchrec_planner import TorchRecPlanner
 
         planners["torchrec"] = TorchRecPlanner
+    analytic = AnalyticCostModel()
     for label, make in planners.items():
         make().shard(warm)
-        times = []
+        times, cpu = [], []
         for _ in range(args.repeats):
             s = make()
-            start = time.perf_counter()
-            s.shard(task)
-            times.append(getattr(s, "last_search_seconds", None) or time.perf_counter() - start)
+            start, c0 = time.perf_counter(), time.process_time()
+            plan = s.shard(task)
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - c0)
         extra = ""
-        if hasattr(s, "last_stats"):
+        if isinstance(s, NeuroShardSharder):
             st = s.last_stats
-            extra = (f"  predicted {s.last_predicted_cost_ms:.1f} ms, {st['pieces']} pieces, {st['greedy_runs']} greedy runs, "
-                     f"beam {'on' if st['beam'] else 'off'}, incremental {st['incremental']}")
-        print(f"{label:>24}: {min(times):8.2f} s" + (f" (best of {len(times)})" if len(times) > 1 else "") + extra,
-              flush=True)
+            ref = analytic.device_costs(task, plan).plan_cost_ms
+            extra = (f"  predicted {s.last_predicted_cost_ms:.1f} ms (analytic model: {ref:.1f} ms, "
+                     f"{s.last_predicted_cost_ms / ref:.2f}x), {st['pieces']} pieces, {st['greedy_runs']} greedy runs, "
+                     f"{st['caps_run']} caps, beam {'on' if st['beam'] else 'off'}, incremental {st['incremental']}")
+            if s.last_search_info.get("comm_fallbacks"):
+                extra += f", comm fallbacks {s.last_search_info['comm_fallbacks']}"
+        best = min(range(len(times)), key=times.__getitem__)
+        print(f"{label:>24}: {times[best]:8.2f} s wall, {cpu[best]:.2f} s CPU"
+              + (f" (best of {len(times)})" if len(times) > 1 else "") + extra, flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 Example:
     .venv/bin/python scripts/bench_rl_planning.py
     .venv/bin/python scripts/bench_rl_planning.py --repeats 3 --samples 0,8
+    .venv/bin/python scripts/bench_rl_planning.py --tables 5384 --devices 1024 --repeats 1 --samples 0
 
 The task is the same NeuroShard-style draw of all 856 tables of a synthetic pool that
 scripts/bench_neuroshard_planning.py plans (dims {4..128}, batch 65536, device memory 1.5x an
@@ -10,7 +11,10 @@ even share, at least 1.05x the largest table). Each searcher loads its shipped c
 (search=dreamshard / search=autoshard's defaults), plans one untimed warm-up task, then the
 big task `--repeats` times; the plan is validated every time. Prints seconds per plan (min
 and median), at each `--samples` setting (the searchers skip sampling above
-sample_max_work, so 856 x 128 plans by argmax whatever the setting; the line says which ran).
+sample_max_work, so 856 x 128 plans by argmax whatever the setting; the line says which ran),
+wall and CPU seconds (on a machine shared with other jobs the wall time is longer), and the
+planner's estimate (search_info.estimate: its cost network's, or the analytic model's where
+the network's is over 10x off it) beside the analytic model's estimate of the same plan.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from embshard.costs.analytic import AnalyticCostModel
 from embshard.data.tasks import planning_bench_tasks
 from embshard.plan import validate
 from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
@@ -42,28 +47,41 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-histograms", action="store_true",
                     help="drop the tables' reuse histograms (a user's tables: the searchers impute them)")
+    ap.add_argument("--save-task", default=None, metavar="PATH",
+                    help="write the task JSON (after --no-histograms) to PATH and stop (for shard.py)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     task, warm = planning_bench_tasks(args.tables, args.devices, ROOT / "data", trace_batch=args.trace_batch, seed=args.seed)
     if args.no_histograms:
         task = replace(task, tables=tuple(replace(t, reuse_histogram=None, trace=None) for t in task.tables))
+    if args.save_task:
+        task.save(args.save_task)
+        print(f"wrote {args.save_task}")
+        return
     print(f"task {task.name}: {len(task.tables)} tables, {task.num_devices} devices, "
           f"{task.device_memory_bytes / 2**30:.2f} GiB per device" + (", no histograms" if args.no_histograms else ""))
+    analytic = AnalyticCostModel()
     for samples in [int(s) for s in args.samples.split(",")]:
         for name, cls in (("dreamshard", DreamShardSharder), ("autoshard", AutoShardSharder)):
             sharder = cls(checkpoint=getattr(args, name), samples=samples)
             sharder.shard(warm)
-            times = []
+            times, cpu = [], []
             for _ in range(args.repeats):
-                start = time.perf_counter()
+                start, c0 = time.perf_counter(), time.process_time()
                 plan = sharder.shard(task)
                 times.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - c0)
                 validate(task, plan)
             ran = sharder.last_stats["samples"]
-            print(f"{name:>10} samples={samples} (ran {ran}): min {min(times):.2f} s, median {statistics.median(times):.2f} s "
-                  f"over {len(times)}; valid plan, {len({s.device for s in plan.shards})} devices used, "
-                  f"estimated {sharder.last_predicted_cost_ms:.1f} ms", flush=True)
+            est = sharder.last_search_info["estimate"]
+            costs = analytic.device_costs(task, plan)
+            ref = costs.plan_cost_ms if est["of"] == "plan cost" else max(costs.compute_ms)
+            print(f"{name:>10} samples={samples} (ran {ran}): min {min(times):.2f} s wall ({min(cpu):.2f} s CPU), "
+                  f"median {statistics.median(times):.2f} s over {len(times)}; valid plan, "
+                  f"{len({s.device for s in plan.shards})} devices used, estimated {est['ms']:.1f} ms ({est['of']}, "
+                  f"{est['source']}; analytic model: {ref:.1f} ms, {est['ms'] / ref:.2f}x)"
+                  + (f"; {est['reason']}" if "reason" in est else ""), flush=True)
 
 
 if __name__ == "__main__":

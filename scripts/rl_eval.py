@@ -7,15 +7,19 @@ and table counts, then a summary of shard.py's measured reports.
 
 (`make rl-eval` runs all three.) Tasks are drawn from the TEST half of the pool split the
 training used (`split_pool`, same fraction and seed) and the script refuses to write them
-if any of their tables is among a checkpoint's training tables. Settings: 20-30 tables on
+if any of their tables is among a checkpoint's training tables (`check_unseen`). With
+`--split validation`, tasks of the validation tables of the three-way split instead (the
+held-out half cut in two, `embshard.data.split.TableSplit`): where switches are chosen. Settings: 20-30 tables on
 4 devices (the training range and device count, unseen tables), on 2 and on 8 devices
 (unseen device counts), 8-12 and 40-48 tables on 4 devices (table counts outside the
 training range), and 20-30 tables on 4 devices whose reuse histograms are dropped (a user's
 tables: rows, dim, pooling factor only).
 
 The summary gives, per setting and algorithm: mean measured plan cost, the ratio to the
-best of the six heuristic baselines on each task (mean, and the 25th-75th percentile range
-over tasks), how often the algorithm beat that best heuristic, and mean search seconds.
+best of the six heuristic baselines on each task (mean with its bootstrap 95% interval over
+tasks and verdict; the 25th-75th percentile range in the JSON), how often the algorithm beat
+that best heuristic, how many tasks were worse beyond their own paired interval, the mean gap
+to the balance reference beside the ratio, and mean search seconds.
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
+from embshard.data.split import SeenTables, check_unseen, seen_by_checkpoint
 from embshard.data.tasks import neuroshard_tasks, split_pool, table_pool_from_dataset, write_tasks
+from embshard.errors import InputError
 from embshard.io import save_png, write_json_atomic, write_text_atomic
+from embshard.report import summarize_results
 from embshard.search.rl.stage import heuristic_baselines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +51,11 @@ SETTINGS: dict[str, tuple[int, int, int, int, bool]] = {
     "8-12x4": (8, 12, 4, 14, True),
     "40-48x4": (40, 48, 4, 15, True),
     "20-30x4-nohist": (20, 30, 4, 16, False),
+}
+#: more settings, written only when named (`tasks --settings`): device counts far from training
+EXTRA_SETTINGS: dict[str, tuple[int, int, int, int, bool]] = {
+    "20-30x16": (20, 30, 16, 17, True),
+    "20-30x32": (20, 30, 32, 18, True),
 }
 LABELS = {
     "20-30x4": "unseen tables, 4 devices (trained: 4)",
@@ -60,62 +72,40 @@ def make_tasks(args: argparse.Namespace) -> None:
 
     pool = table_pool_from_dataset(args.dataset)
     train, test = split_pool(pool, args.test_fraction, args.seed)
-    test_names = {e["name"] for e in test}
+    seen = [seen_by_checkpoint(c) for c in args.checkpoints]
+    if args.split == "validation":  # the choices' tasks: the validation tables of the three-way split
+        from embshard.data.split import TableSplit
+
+        held = TableSplit.of_pool(pool, args.test_fraction / 2, args.test_fraction / 2, args.seed)
+        # validation tasks hold no train table either (checkpoints count validation tables as seen)
+        test, seen = held.entries(pool, "validation"), [SeenTables("the split's train tables", held.seen("validation"))]
     for ckpt in args.checkpoints:
         card = torch.load(ckpt, map_location="cpu", weights_only=True)["data_card"]
-        seen = set(card["train_tables"]) & test_names
-        if seen:
-            sys.exit(f"error: {ckpt} was trained on {len(seen)} of the test tables (e.g. {sorted(seen)[:3]})")
         if set(card["train_tables"]) != {e["name"] for e in train}:
             print(f"note: {ckpt} was trained on another split than --seed {args.seed} makes", file=sys.stderr)
     out = Path(args.out)
-    for name, (lo, hi, devices, offset, histograms) in SETTINGS.items():
+    known = {**SETTINGS, **EXTRA_SETTINGS}
+    unknown = [n for n in args.settings or [] if n not in known]
+    if unknown:
+        sys.exit(f"error: unknown setting(s) {unknown}; known: {', '.join(known)}")
+    for name, (lo, hi, devices, offset, histograms) in ({n: known[n] for n in args.settings} if args.settings
+                                                         else SETTINGS).items():
+        if hi > len(test):
+            print(f"{name}: skipped ({hi} tables; the {args.split} tables are {len(test)})", file=sys.stderr)
+            continue
         tasks = neuroshard_tasks(test, args.num_tasks, min_tables=lo, max_tables=hi, dims=[4, 8, 16, 32, 64, 128],
                                  max_total_bytes=args.max_total_bytes, num_devices=devices, batch_size=args.batch_size,
-                                 seed=args.seed * 100 + offset, name_prefix=f"rl-eval-{name}")
+                                 seed=args.seed * 100 + offset, name_prefix=f"rl-{'val' if args.split == 'validation' else 'eval'}-{name}")
         if not histograms:  # what a user brings: rows, dim, pooling factor; no trace either,
             # so the evaluator draws indices from the calibrated synthetic law
             tasks = [replace(t, tables=tuple(replace(tb, reuse_histogram=None, trace=None) for tb in t.tables)) for t in tasks]
+        try:  # no task holds a table any checkpoint was trained or tuned on
+            check_unseen(tasks, seen, pool=args.dataset)
+        except InputError as e:
+            sys.exit(f"error: {e}")
         write_tasks(tasks, out / name)
         print(f"{name}: {len(tasks)} tasks of {min(len(t.tables) for t in tasks)}-{max(len(t.tables) for t in tasks)} "
-              f"test tables on {devices} devices -> {out / name}")
-
-
-def summarize_report(report: dict) -> dict:
-    by_task: dict[str, dict[str, dict]] = {}
-    for r in report["results"]:
-        by_task.setdefault(r["task"], {})[r["algorithm"]] = r
-    algorithms = list(dict.fromkeys(r["algorithm"] for r in report["results"]))
-    out = {}
-    for a in algorithms:
-        costs, ratios, seconds, wins, invalid = [], [], [], 0, 0
-        for task, rows in by_task.items():
-            best = min((rows[h]["measured_cost_ms"] for h in HEURISTICS if h in rows and rows[h]["valid"]), default=None)
-            r = rows.get(a)
-            if r is None or not r["valid"] or r["measured_cost_ms"] is None or best is None:
-                invalid += 1
-                continue
-            costs.append(r["measured_cost_ms"])
-            ratios.append(r["measured_cost_ms"] / best)
-            seconds.append(r["search_seconds"] or 0.0)
-            wins += r["measured_cost_ms"] < best
-        if not costs:
-            out[a] = {"tasks": 0, "invalid": invalid}
-            continue
-        out[a] = {
-            "tasks": len(costs),
-            "invalid": invalid,
-            "mean_cost_ms": float(np.mean(costs)),
-            "mean_ratio": float(np.mean(ratios)),
-            "ratio_p25": float(np.percentile(ratios, 25)),
-            "ratio_p75": float(np.percentile(ratios, 75)),
-            "ratio_min": float(np.min(ratios)),
-            "ratio_max": float(np.max(ratios)),
-            "beats_best_heuristic": int(wins),
-            "mean_search_seconds": float(np.mean(seconds)),
-            "ratios": [round(x, 4) for x in ratios],
-        }
-    return out
+              f"{'validation' if args.split == 'validation' else 'test'} tables on {devices} devices -> {out / name}")
 
 
 def summarize(args: argparse.Namespace) -> None:
@@ -124,11 +114,11 @@ def summarize(args: argparse.Namespace) -> None:
     for name in list(SETTINGS) + sorted(p.name for p in runs.iterdir() if p.is_dir() and p.name not in SETTINGS):
         f = runs / name / "report.json"
         if f.is_file():
-            summary[name] = summarize_report(json.loads(f.read_text()))
+            summary[name] = summarize_results(json.loads(f.read_text()))
             for extra in args.extra:  # a later pass on the same tasks: its algorithms, against its own heuristics
                 g = Path(extra) / name / "report.json"
                 if g.is_file():
-                    for a, m in summarize_report(json.loads(g.read_text())).items():
+                    for a, m in summarize_results(json.loads(g.read_text())).items():
                         if a not in summary[name]:
                             summary[name][a] = dict(m, run=str(Path(extra)))
     if not summary:
@@ -145,8 +135,10 @@ def summarize(args: argparse.Namespace) -> None:
 def markdown(summary: dict) -> str:
     settings = list(summary)
     algorithms = list(dict.fromkeys(a for s in settings for a in summary[s]))
-    lines = ["mean measured plan cost (ms); in brackets: ratio to the best heuristic per task, mean [25th-75th pct], "
-             "tasks better than the best heuristic", "",
+    lines = ["mean measured plan cost (ms); in brackets: ratio to the best heuristic per task, mean [bootstrap 95% "
+             "interval over tasks] and verdict (from two tasks up; one task: [25th-75th pct]), tasks better than the best "
+             "heuristic; then the mean gap to the balance reference (plan cost above mean device compute + the slowest "
+             "device's comm)", "",
              "| algorithm | " + " | ".join(LABELS.get(s, s) for s in settings) + " |",
              "|---" * (len(settings) + 1) + "|"]
     for a in algorithms:
@@ -156,9 +148,12 @@ def markdown(summary: dict) -> str:
             if not m or not m.get("tasks"):
                 cells.append("-")
                 continue
-            cells.append(f"{m['mean_cost_ms']:.1f}{' †' if 'run' in m else ''} ({m['mean_ratio']:.3f} "
-                         f"[{m['ratio_p25']:.2f}-{m['ratio_p75']:.2f}], {m['beats_best_heuristic']}/{m['tasks']})"
-                         + (f" {m['invalid']} invalid" if m["invalid"] else ""))
+            ci = m.get("ratio_ci")
+            ratio = (f"{m['mean_ratio']:.3f} [{ci['low']:.3f}, {ci['high']:.3f}] {ci['verdict']}" if ci else
+                     f"{m['mean_ratio']:.3f} [{m['ratio_p25']:.2f}-{m['ratio_p75']:.2f}]")
+            gap = f"; gap {m['mean_gap_pct']:+.1f}%" if m.get("mean_gap_pct") is not None else ""
+            cells.append(f"{m['mean_cost_ms']:.1f}{' †' if 'run' in m else ''} ({ratio}, {m['beats_best_heuristic']}/"
+                         f"{m['tasks']}{gap})" + (f" {m['invalid']} invalid" if m["invalid"] else ""))
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
     extra = sorted({m["run"] for s in settings for m in summary[s].values() if "run" in m})
     if extra:
@@ -259,6 +254,44 @@ def estimate(args: argparse.Namespace) -> None:
     print(table)
 
 
+def agreement(args: argparse.Namespace) -> None:
+    """How far each DreamShard policy's own estimate of its plan lies from NeuroShard's cost
+    models' and from the analytic model's estimate of the same plan (geometric mean of the
+    ratios over a setting's tasks, and the largest): where the network extrapolates."""
+    import torch
+
+    from embshard.costs.analytic import AnalyticCostModel
+    from embshard.costs.neural import NeuralCostModels
+    from embshard.search.rl.checkpoint import load_checkpoint
+    from embshard.search.rl.env import best_plan
+    from embshard.task import load_tasks
+
+    models, analytic = NeuralCostModels.load(args.estimator), AnalyticCostModel()
+    settings = {Path(f).name: load_tasks(f) for f in args.tasks}
+    lines = ["the policy's estimate of its argmax plan over NeuroShard's cost models' / over the analytic model's "
+             "(geometric mean over tasks; the largest in brackets)", "",
+             "| policy | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+    for spec in args.policies:
+        name, _, path = spec.partition("=")
+        agent, _ = load_checkpoint(path, "dreamshard")
+        cells = []
+        for tasks in settings.values():
+            r_ns, r_an = [], []
+            for task in tasks:
+                with torch.no_grad():
+                    plan, _ = best_plan(agent, task, 0)
+                    own = agent.estimate_plan(task, plan)
+                r_ns.append(own / models.device_costs(task, plan).plan_cost_ms)
+                r_an.append(own / analytic.device_costs(task, plan).plan_cost_ms)
+            g = lambda r: float(np.exp(np.mean(np.log(r))))  # noqa: E731
+            cells.append(f"{g(r_ns):.3g}x / {g(r_an):.3g}x (max {max(r_an):.3g}x)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n"
+    out = Path(args.out)
+    write_text_atomic(out / f"{args.name}.md", table)
+    print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -272,6 +305,11 @@ def main() -> None:
     t.add_argument("--seed", type=int, default=0, help="the split's seed (train.py's seed when the policies were trained)")
     t.add_argument("--batch-size", type=int, default=4096)
     t.add_argument("--max-total-bytes", type=int, default=1 << 30)
+    t.add_argument("--settings", nargs="*", default=None,
+                   help=f"which settings (default: {' '.join(SETTINGS)}; more: {' '.join(EXTRA_SETTINGS)})")
+    t.add_argument("--split", choices=("heldout", "validation"), default="heldout",
+                   help="heldout: the held-out half of the two-way split (the evaluation); validation: the "
+                        "validation quarter of the three-way split (embshard.data.split), where choices are made")
     s = sub.add_parser("summarize", help="summarise shard.py reports, one <setting>/report.json each")
     s.add_argument("runs")
     s.add_argument("--out", default=str(ROOT / "docs" / "rl"))
@@ -285,8 +323,14 @@ def main() -> None:
                    help="NeuroShard cost models (cost_models.pt) that judge every plan")
     e.add_argument("--out", default=str(ROOT / "docs" / "rl"))
     e.add_argument("--name", default="ablation_estimated")
+    g = sub.add_parser("agreement", help="DreamShard policies' own estimates against the cost models' and the analytic's")
+    g.add_argument("--tasks", nargs="+", required=True, help="setting folders of task JSONs")
+    g.add_argument("--policies", nargs="+", required=True, help="name=policy.pt (DreamShard)")
+    g.add_argument("--estimator", default="checkpoints/cpu_fbgemm/cost_models.pt")
+    g.add_argument("--out", default=str(ROOT / "docs" / "rl"))
+    g.add_argument("--name", default="agreement")
     args = ap.parse_args()
-    {"tasks": make_tasks, "summarize": summarize, "estimate": estimate}[args.cmd](args)
+    {"tasks": make_tasks, "summarize": summarize, "estimate": estimate, "agreement": agreement}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ present), TorchRec's, the ratios, and the paired ratio's bootstrap 95% interval 
 verdict: worse beyond the interval when all of it lies above 1. Then the mean ratio over tasks
 with its bootstrap 95% interval over tasks, and "not resolved" where it straddles 1.
 `--by-devices`: a markdown table instead, per device count and in all: every algorithm's mean
-measured cost, the ratios (mean per task) of the algorithm and of its pick to the best heuristic
-and to TorchRec, and mean search seconds.
+measured cost with its ratio to the best heuristic and its gap to balance (means per task), the
+ratios (mean per task) of the algorithm and of its pick to the best heuristic and to TorchRec,
+and mean search seconds.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def rows_of(report: dict, algorithm: str, metric: str) -> list[dict]:
             "pick_spread": max(by.get(f"{algorithm}_pick", {}).get("measured_spread_ms") or 0.0,
                                best.get("measured_spread_ms") or 0.0),
         }
+        row["gap_pct"] = gap_pct(mine, metric)
+        row["best_gap_pct"] = gap_pct(best, metric)
         row["vs_best"] = row["mine"] / row["best"]
         row["pick_vs_best"] = row["pick"] / row["best"] if row["pick"] is not None else None
         row["vs_torchrec"] = row["mine"] / row["torchrec"] if row["torchrec"] else None
@@ -60,6 +63,18 @@ def rows_of(report: dict, algorithm: str, metric: str) -> list[dict]:
                                       else row["mine"] - row["best"] > spread)
         out.append(row)
     return out
+
+
+def gap_pct(result: dict, metric: str) -> float | None:
+    """A result's plan cost above its balance reference (mean device compute + the slowest
+    device's comm), in %: the gain a perfectly balanced plan of the same comm would take."""
+    kind = "measured" if metric == "measured_cost_ms" else "estimated"
+    return ((result.get("headroom") or {}).get(kind) or {}).get("gap_pct")
+
+
+def mean_gap(values: list) -> str:
+    v = [x for x in values if x is not None]
+    return f"{mean(v):+.1f}%" if v else "-"
 
 
 def paired_interval(a: dict, b: dict) -> dict | None:
@@ -94,13 +109,23 @@ def by_devices_table(reports: list[dict], algorithm: str, metric: str) -> str:
     def picked(d, rows):
         return [x for x in rows if d is None or x["devices"] == d]
 
-    lines = [f"| mean measured cost (ms) | {' | '.join(g for g, _ in groups)} |", "|---|" + "---|" * len(groups)]
+    best = {}  # the best heuristic's cost per task
+    for r in results:
+        if r["algorithm"] in BASELINES and r.get(metric) is not None:
+            best[r["task"]] = min(best.get(r["task"], r[metric]), r[metric])
+    lines = [f"| mean measured cost (ms) (ratio to the best heuristic, mean per task; gap to balance, mean) | "
+             f"{' | '.join(g for g, _ in groups)} |", "|---|" + "---|" * len(groups)]
     for a in algorithms:
         cells = []
         for _, d in groups:
-            v = [r[metric] for r in results if r["algorithm"] == a and r.get(metric) is not None
-                 and (d is None or devices.get(r["task"]) == d)]
-            cells.append(f"{mean(v):.1f}" if v else "-")
+            mine = [r for r in results if r["algorithm"] == a and r.get(metric) is not None
+                    and (d is None or devices.get(r["task"]) == d)]
+            if not mine:
+                cells.append("-")
+                continue
+            ratios = [r[metric] / best[r["task"]] for r in mine if best.get(r["task"])]
+            ratio = f"{mean(ratios):.3f}x" if ratios else "-"
+            cells.append(f"{mean(r[metric] for r in mine):.1f} ({ratio}; {mean_gap([gap_pct(r, metric) for r in mine])})")
         lines.append(f"| {a} | {' | '.join(cells)} |")
     for label, key, worse in ((algorithm, "vs_best", True), (f"{algorithm}_pick", "pick_vs_best", True),
                               (algorithm, "vs_torchrec", False), (f"{algorithm}_pick", None, False)):
@@ -161,17 +186,20 @@ def main() -> None:
     a = args.algorithm
     if args.markdown:
         print(f"| task | devices | {a} (ms) | search pick (ms) | best heuristic (ms) | torchrec (ms) | {a} / best heuristic "
-              f"[95% CI] | {a} / torchrec | worse beyond the interval |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              f"[95% CI] | {a} gap to balance | best heuristic's gap | {a} / torchrec | worse beyond the interval |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if args.markdown:
             print(f"| {r['task']} | {r['devices']} | {r['mine']:.1f} | {_f(r['pick'], '{:.1f}')} | {r['best']:.1f} ({r['best_name']}) | "
-                  f"{_f(r['torchrec'], '{:.1f}')} | {r['vs_best']:.3f}x{_iv(r['interval'])} | {_f(r['vs_torchrec'], '{:.3f}x')} | "
+                  f"{_f(r['torchrec'], '{:.1f}')} | {r['vs_best']:.3f}x{_iv(r['interval'])} | {_f(r['gap_pct'], '{:+.1f}%')} | "
+                  f"{_f(r['best_gap_pct'], '{:+.1f}%')} | {_f(r['vs_torchrec'], '{:.3f}x')} | "
                   f"{'YES' if r['worse_beyond_spread'] else 'no'} |")
         else:
             print(f"{r['task']:24s} D={r['devices']:<3d} {a} {r['mine']:8.1f}  pick {_f(r['pick'], '{:8.1f}')}  best heuristic "
                   f"{r['best']:8.1f} ({r['best_name']})  torchrec {_f(r['torchrec'], '{:8.1f}')}  ratio {r['vs_best']:.3f}"
-                  + _iv(r["interval"]) + ("  WORSE beyond the interval" if r["worse_beyond_spread"] else ""))
+                  + _iv(r["interval"]) + f"  gap to balance {_f(r['gap_pct'], '{:+.1f}%')} "
+                  f"(best heuristic {_f(r['best_gap_pct'], '{:+.1f}%')})"
+                  + ("  WORSE beyond the interval" if r["worse_beyond_spread"] else ""))
     if not rows:
         print("no task has both the algorithm and a baseline")
         return
@@ -181,7 +209,9 @@ def main() -> None:
           f"(better on {sum(r['mine'] < r['best'] for r in rows)}, worse beyond the interval on "
           f"{sum(r['worse_beyond_spread'] for r in rows)})"
           + (f"; its search's own pick {overall(picks)}" if picks else "")
-          + (f"; mean cost / torchrec's {overall(tr)}" if tr else ""))
+          + (f"; mean cost / torchrec's {overall(tr)}" if tr else "")
+          + f"; mean gap to balance {mean_gap([r['gap_pct'] for r in rows])} "
+          f"(the best heuristics' {mean_gap([r['best_gap_pct'] for r in rows])})")
 
 
 if __name__ == "__main__":

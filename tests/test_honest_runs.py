@@ -22,7 +22,7 @@ from embshard.search.neuroshard import NeuroShardSharder
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "checkpoints" / "cpu_fbgemm" / "cost_models.pt"
 SEQUENCE_ALGORITHMS = ["data_parallel", "row_wise", "row_wise_dedup", "table_row_wise", "hugectr_hybrid", "flexshard"]
-POOLED_ONLY = ["neuroshard", "dreamshard", "autoshard", "torchrec"]
+POOLED_ONLY = ["neuroshard", "dreamshard", "autoshard", "torchrec", "portfolio"]
 
 
 def pooled_task(name="mine", devices=2, memory=64 * 2**20, batch=256) -> Task:
@@ -308,8 +308,8 @@ def test_whole_table_algorithms_name_the_ones_that_split(capsys, tmp_path):
     by = {r["algorithm"]: r for r in report(out)["results"]}
     for name in ("size_lookup_greedy", "dreamshard", "autoshard"):
         assert "'user_id'" in by[name]["error"] and "short by" in by[name]["error"]
-        assert by[name]["error"].endswith(f"; {name} places whole tables; torchrec and neuroshard split tables: "
-                                          "try algorithms=[torchrec,neuroshard]")
+        assert by[name]["error"].endswith(f"; {name} places whole tables; torchrec, neuroshard and portfolio split "
+                                          "tables: try algorithms=[torchrec,neuroshard,portfolio]")
     assert by["neuroshard"]["valid"]
 
 

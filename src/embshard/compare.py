@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from embshard.costs.base import CostModel, DeviceCosts
+from embshard.costs.base import CostModel, DeviceCosts, EnvelopeReporting
 from embshard.errors import EmbshardError, InfeasibleError
 from embshard.plan import Plan, validate
-from embshard.search.base import Capabilities, Sharder
+from embshard.search.base import Capabilities, GuardedSharder, Sharder
 from embshard.search.constrained import needs_reduction, shard_constrained
 from embshard.task import Task
 
@@ -174,7 +174,7 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
             continue
         # A sharder may report its own pure search time (TorchRec's excludes model building).
         seconds = getattr(sharder, "last_search_seconds", None) or seconds
-        guard = getattr(sharder, "last_guard", None)
+        guard = sharder.last_guard if isinstance(sharder, GuardedSharder) else None
         info = getattr(sharder, "last_search_info", None)
         results.append(
             Result(task.name, name, valid=True, plan=plan, search_seconds=seconds, memory_bytes=plan.memory_bytes(task),
@@ -220,11 +220,10 @@ def evaluate_task(
             r.traffic = report
         return
     if cost_model is not None:
-        report = getattr(cost_model, "envelope_report", None)
         for r in valid:
             r.estimated = cost_model.device_costs(task, r.plan)
-            if callable(report):
-                r.envelope = report(task, r.plan)
+            if isinstance(cost_model, EnvelopeReporting):
+                r.envelope = cost_model.envelope_report(task, r.plan)
     if mode == "measured":
         # identical plans (a guard that chose its search pick, heuristics that agree) are
         # measured once and share the measurement

@@ -449,14 +449,24 @@ class MemoryLedger:
         task: the task being planned.
         pending: memory needs of the pieces still to be placed. When given, `place` looks
             ahead: among the devices a sharder prefers, it takes the first after which the
-            pending pieces still pack (first-fit decreasing), so a greedy order does not
-            strand a big table that a table-wise plan has room for.
+            pending pieces still pack, so a greedy order does not strand a big table that a
+            table-wise plan has room for. The ledger carries a packing of the pending pieces
+            (worst-fit decreasing, `embshard.packing.LookAhead`) and keeps it in O(1) per
+            placement while the device taken has slack under it; otherwise first-fit
+            decreasing from scratch decides.
     """
 
     def __init__(self, task: Task, pending: Iterable[int] = ()):
+        from embshard.packing import LookAhead
+
         self.task = task
         self.free = [task.device_memory_bytes] * task.num_devices
-        self._pending = sorted(pending, reverse=True)
+        needs = sorted((int(x) for x in pending), reverse=True)
+        self._ahead = LookAhead(np.array(self.free, dtype=np.int64), needs, fit="worst") if needs else None
+        # pending pieces by size; forgetting one of a size takes the last of its list
+        self._by_size: dict[int, list[int]] = {}
+        for i, n in enumerate(needs):
+            self._by_size.setdefault(n, []).append(i)
 
     def need(self, table: Table, rows: int | None = None, dim: int | None = None) -> int:
         return self.task.shard_memory_bytes(table, table.rows if rows is None else rows, table.dim if dim is None else dim)
@@ -465,49 +475,43 @@ class MemoryLedger:
         if self.free[device] < nbytes:
             raise PlanError(f"device {device} has {self.free[device]} bytes free, {nbytes} requested")
         self.free[device] -= nbytes
+        if self._ahead is not None:
+            self._ahead.took(self.free, device, nbytes)
 
-    def place(self, table: Table, nbytes: int, preference: Sequence[int]) -> int:
+    def place(self, table: Table, nbytes: int, preference: Iterable[int]) -> int:
         """Put a piece of `nbytes` on the first preferred device with room that keeps the
-        pending pieces packable (any preferred device with room if none does); return it.
+        pending pieces packable (the first preferred device with room if none does); return it.
 
         Raises:
             InfeasibleError: no device has room; names the table and the shortfall.
         """
-        self._forget_pending(nbytes)
-        room = [d for d in preference if self.free[d] >= nbytes]
-        if not room:
+        self.forget_pending(nbytes)
+        first = None
+        device = None
+        for d in preference:
+            if self.free[d] < nbytes:
+                continue
+            if first is None:
+                first = d
+            if self.pending_pack_after(d, nbytes):
+                device = d
+                break
+        if first is None:
             raise self.nowhere(table, nbytes)
-        device = next((d for d in room if self._pending_pack_after(d, nbytes)), room[0])
+        device = first if device is None else device
         self.take(device, nbytes)
         return device
 
-    def _forget_pending(self, nbytes: int) -> None:
-        # pending is sorted descending; drop one entry equal to nbytes if present
-        lo, hi = 0, len(self._pending)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._pending[mid] > nbytes:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < len(self._pending) and self._pending[lo] == nbytes:
-            del self._pending[lo]
+    def forget_pending(self, nbytes: int) -> None:
+        """A piece of `nbytes` is being placed: one pending piece of that size (if any) is no
+        longer pending."""
+        ids = self._by_size.get(nbytes)
+        if ids:
+            self._ahead.forget(ids.pop())
 
-    def _pending_pack_after(self, device: int, nbytes: int) -> bool:
-        if not self._pending:
-            return True
-        free = np.array(self.free, dtype=np.int64)
-        free[device] -= nbytes
-        # Sufficient condition, O(1): while placing pieces no larger than the largest pending
-        # one, total free memory stays >= devices x largest, so some device always has room.
-        if int(free.sum()) - sum(self._pending) >= len(free) * self._pending[0]:
-            return True
-        for need in self._pending:  # first-fit decreasing
-            fits = np.flatnonzero(free >= need)
-            if fits.size == 0:
-                return False
-            free[fits[0]] -= need
-        return True
+    def pending_pack_after(self, device: int, nbytes: int) -> bool:
+        """Whether the pending pieces still pack once `nbytes` more are used on `device`."""
+        return self._ahead is None or self._ahead.packs_after(self.free, device, nbytes)
 
     def nowhere(self, table: Table, nbytes: int) -> InfeasibleError:
         """The error for a piece of `nbytes` that fits on no device."""

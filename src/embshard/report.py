@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from statistics import mean
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from embshard.compare import Result
 from embshard.io import save_png
 from embshard.stats import RatioSummary, paired_ratio_summary
@@ -23,6 +25,58 @@ def best_heuristic(results: Sequence[Result], metric: str) -> Result | None:
     """The cheapest heuristic result of one task's results (None when no heuristic has a cost)."""
     costed = [r for r in results if r.algorithm in HEURISTICS and getattr(r, metric) is not None]
     return min(costed, key=lambda r: getattr(r, metric)) if costed else None
+
+
+def summarize_results(report: dict[str, Any], heuristics: Sequence[str] = HEURISTICS) -> dict[str, dict[str, Any]]:
+    """Per algorithm over the tasks of a measured report.json (`shard.py`'s): mean measured cost,
+    the ratio to the best heuristic on each task (mean, its bootstrap 95% interval over tasks
+    and verdict, 25th-75th percentiles), tasks better than that heuristic and tasks worse
+    beyond their own paired interval, the mean gap to the balance reference, mean search
+    seconds. A task the algorithm has no measured plan for counts in `invalid`."""
+    by_task: dict[str, dict[str, dict]] = {}
+    for r in report["results"]:
+        by_task.setdefault(r["task"], {})[r["algorithm"]] = r
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in report["results"]))
+    out = {}
+    for a in algorithms:
+        costs, ratios, seconds, gaps, wins, invalid, worse = [], [], [], [], 0, 0, 0
+        for task, rows in by_task.items():
+            best = min((rows[h]["measured_cost_ms"] for h in heuristics if h in rows and rows[h]["valid"]), default=None)
+            r = rows.get(a)
+            if r is None or not r["valid"] or r["measured_cost_ms"] is None or best is None:
+                invalid += 1
+                continue
+            costs.append(r["measured_cost_ms"])
+            ratios.append(r["measured_cost_ms"] / best)
+            seconds.append(r["search_seconds"] or 0.0)
+            wins += r["measured_cost_ms"] < best
+            gap = ((r.get("headroom") or {}).get("measured") or {}).get("gap_pct")
+            if gap is not None:
+                gaps.append(gap)
+            iv = (r.get("vs_best_heuristic") or {}).get("interval") or {}
+            worse += iv.get("verdict") == "worse"
+        if not costs:
+            out[a] = {"tasks": 0, "invalid": invalid}
+            continue
+        out[a] = {
+            "tasks": len(costs),
+            "invalid": invalid,
+            "mean_cost_ms": float(np.mean(costs)),
+            "mean_ratio": float(np.mean(ratios)),
+            "ratio_p25": float(np.percentile(ratios, 25)),
+            "ratio_p75": float(np.percentile(ratios, 75)),
+            "ratio_min": float(np.min(ratios)),
+            "ratio_max": float(np.max(ratios)),
+            # the mean ratio's bootstrap 95% interval over tasks and its verdict (one task: none)
+            "ratio_ci": paired_ratio_summary(ratios).to_dict() if len(ratios) > 1 else None,
+            # tasks whose own paired interval (repetitions) lies above 1
+            "worse_beyond_interval": int(worse),
+            "mean_gap_pct": float(np.mean(gaps)) if gaps else None,
+            "beats_best_heuristic": int(wins),
+            "mean_search_seconds": float(np.mean(seconds)),
+            "ratios": [round(x, 4) for x in ratios],
+        }
+    return out
 
 
 def paired_samples_ratio(a: Result, b: Result) -> RatioSummary | None:
@@ -158,8 +212,9 @@ def summary_columns(metric: str) -> list[Column]:
         Column("± spread", lambda r: _fmt(r.get("mean_spread_ms"), "{:.3f}")),
         Column("vs best", lambda r: _fmt(r["mean_ratio_to_best"], "{:.3f}x")),
         Column("vs best heuristic [95% CI]", lambda r: ratio_text(r.get("vs_best_heuristic"))),
-        Column("imbalance", lambda r: _fmt(r.get("mean_compute_imbalance"), "{:.2f}x")),
+        # beside the ratio: how far the method's own plans are from their balance reference
         Column("gap to balance", lambda r: _fmt(r.get("mean_gap_pct"), "{:+.1f}%")),
+        Column("imbalance", lambda r: _fmt(r.get("mean_compute_imbalance"), "{:.2f}x")),
         Column("out of envelope",
                lambda r: "-" if r.get("devices") is None else f"{r['out_of_envelope_devices']}/{r['devices']}"),
     ]
@@ -172,10 +227,11 @@ def summary_columns(metric: str) -> list[Column]:
 
 
 def format_table(rows: Sequence[dict[str, Any]], metric: str) -> str:
-    """A fixed-width text table of `summarize` rows: cost, spread, ratio to the best plan,
-    compute imbalance (max / mean device), gap to the balance reference (mean compute + the
-    slowest device's comm), device shards outside the cost models' training envelope, and
-    search time. Columns with nothing to show (every cell "-") are left out."""
+    """A fixed-width text table of `summarize` rows: cost, spread, ratio to the best plan, the
+    paired ratio to the best heuristic and beside it the gap to the balance reference (mean
+    compute + the slowest device's comm: how much of the available gain the method leaves),
+    compute imbalance (max / mean device), device shards outside the cost models' training
+    envelope, and search time. Columns with nothing to show (every cell "-") are left out."""
     return render(summary_columns(metric), rows)
 
 
@@ -216,8 +272,8 @@ def result_columns(metric: str, device_memory_bytes: int) -> list[Column]:
         Column("± spread", lambda r: _fmt(r["spread_ms"], "{:.3f}")),
         Column("vs best", lambda r: _fmt(r["ratio_to_best"], "{:.3f}x")),
         Column("vs best heuristic [95% CI]", lambda r: _heur_cell(r["vs_best_heuristic"])),
-        Column("imbalance", lambda r: _fmt(r["compute_imbalance"], "{:.2f}x")),
         Column("gap to balance", lambda r: _fmt(r["gap_pct"], "{:+.1f}%")),
+        Column("imbalance", lambda r: _fmt(r["compute_imbalance"], "{:.2f}x")),
         Column("out of envelope", lambda r: "-" if not r["envelope"]
                else f"{r['envelope']['out_of_envelope_devices']}/{r['envelope']['devices']}"),
     ]

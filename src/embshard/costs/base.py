@@ -80,3 +80,11 @@ class CostModel(Protocol):
     """Anything that can cost a plan: the hardware, a neural model, an analytic model."""
 
     def device_costs(self, task: Task, plan: Plan) -> DeviceCosts: ...
+
+
+@runtime_checkable
+class EnvelopeReporting(CostModel, Protocol):
+    """A learned cost model that says how much of a plan lies outside what it was trained on
+    (report.json: `envelope` per plan; `embshard.costs.neural.NeuralCostModels`)."""
+
+    def envelope_report(self, task: Task, plan: Plan) -> dict[str, Any]: ...

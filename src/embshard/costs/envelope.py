@@ -151,6 +151,20 @@ class Envelope:
                 out.append(f"{name}={v:.4g} > trained {self._fmt(r)}")
         return out
 
+    def comm_untrusted(self, num_devices: int, batch_size: int) -> str | None:
+        """Why the comm models cannot be trusted at all for all-to-alls of `num_devices`
+        devices at `batch_size` (None when they can): a device count outside the trained
+        counts' range, or a batch outside the trained batches. Inside, a prediction is still
+        checked against the analytic model (`NeuralCostModels`: `FAR_FACTOR`)."""
+        if num_devices <= 1:
+            return None
+        if self.comm_devices and not (min(self.comm_devices) <= num_devices <= max(self.comm_devices)):
+            return f"devices={num_devices} outside trained {self.comm_devices[0]}..{self.comm_devices[-1]}"
+        side = self.comm_batch.outside(float(batch_size), self.tolerance)
+        if side:
+            return f"batch={batch_size} {side} trained {self._fmt(self.comm_batch)}"
+        return None
+
     @staticmethod
     def _fmt(r: Range) -> str:
         return f"[{r.lo:.3g}, {r.hi:.3g}]"

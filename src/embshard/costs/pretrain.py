@@ -423,7 +423,9 @@ def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, tab
         "comm_samples": {k: len(v) for k, v in msplit.items()},
         "comm_num_devices": sorted({s.num_devices for s in comm_samples}),
         "holdout_num_devices": hold,
-        "tables": tables,
+        # the table split, by name and by identity (rows and pooling factor: names repeat across
+        # pools), so an evaluation can refuse a test task holding a table trained or tuned on
+        "tables": {**tables, **_split_keys(compute_samples, tables)},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": c,
         "host": platform.node(),
@@ -537,11 +539,19 @@ def metrics_csv(metrics: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _split_keys(samples: Sequence[N.ComputeSample], tables: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+    """`<split>_keys`: the identities (`embshard.data.split.table_key`) of each split's tables."""
+    from embshard.data.split import key_of
+
+    key = {t.name: key_of(t) for s in samples for t in s.tables}
+    return {f"{k}_keys": sorted({key[n] for n in names if n in key}) for k, names in tables.items()}
+
+
 def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, Any], envelope: Envelope) -> str:
     """Markdown numbers for the checkpoint's data card (the command is added by train.py's caller)."""
     cs, ms = data["compute_samples"], data["comm_samples"]
     t = data["tables"]
-    val_tables = f", {len(t['val'])} tables" if t["val"] else ""
+    val_tables = f", {len(t['val'])} validation tables" if t["val"] else ""
     rows = []
     for model, split, label in (
         ("compute", "test", "compute, held-out tables"),

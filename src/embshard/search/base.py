@@ -5,10 +5,13 @@ instead of letting it run without a word (embshard.compare.refusal)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from embshard.plan import Plan
 from embshard.task import Task
+
+if TYPE_CHECKING:
+    from embshard.search.guard import GuardResult
 
 
 @dataclass(frozen=True)
@@ -45,3 +48,19 @@ class Sharder(Protocol):
     capabilities: ClassVar[Capabilities]
 
     def shard(self, task: Task) -> Plan: ...
+
+
+@runtime_checkable
+class GuardedSharder(Sharder, Protocol):
+    """A sharder with a measured guard (`embshard.search.guard`): given hardware, it measures
+    its candidates against the heuristics' plans before it returns one (NeuroShard, the
+    portfolio). shard.py attaches its evaluator under evaluate=measured."""
+
+    #: what the guard did on the last task (None: it did not run)
+    last_guard: GuardResult | None
+    #: the plan the search itself picked on the last task, before the guard measured
+    last_search_pick: Plan | None
+
+    def attach_evaluator(self, evaluator: Any) -> None:
+        """The hardware the guard measures on (`HardwareEvaluator`); None detaches it."""
+        ...

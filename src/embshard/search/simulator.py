@@ -1,17 +1,10 @@
-"""NeuroShard's simulator: the plan cost a shard predictor (neural or analytic) expects,
-with every prediction cached.
+"""The simulator: the plan cost a shard predictor (neural or analytic) expects, with every
+prediction cached.
 
-A *shard predictor* (`ShardPredictor`) is the one interface the search talks to:
-
-* `compute_ms(shards)`: the fused forward+backward kernel time of each shard, where a
-  shard is a list of `Table`s whose rows/dim are those of the pieces on one device;
-* `comm_ms(widths, delays_ms)`: per-device forward (including the wait for the slowest
-  device) and backward all-to-all time for `[n, D]` embedding widths and compute delays.
-
-The trained neural bundle (`embshard.costs.neural.NeuralCostModels`) implements it;
-`AnalyticPredictor` adapts the closed-form `AnalyticCostModel` to it (a stand-in for tests,
-and what NeuroShard searches against when asked to with checkpoint=None; a missing checkpoint
-is an error, never a quiet switch to it).
+A search talks to a cost model through the predictor protocols of `embshard.costs.predictor`
+(`ShardPredictor`: `compute_ms(shards)`, `comm_ms(widths, delays_ms)`; re-exported here with
+`AnalyticPredictor`, the closed-form model behind them). The trained neural bundle
+(`embshard.costs.neural.NeuralCostModels`) binds one per batch size.
 
 `Simulator` turns per-device piece lists into `DeviceCosts` the way the hardware evaluator
 defines measured costs (`hardware/evaluator.py`): compute per device (all devices in one
@@ -26,108 +19,18 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Callable, Hashable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from embshard.costs.analytic import BYTES_PER_FLOAT, AnalyticCostModel
 from embshard.costs.base import DeviceCosts
+from embshard.costs.predictor import AnalyticPredictor, ShardPredictor, batch_ratio
 from embshard.plan import Plan, device_pieces
 from embshard.tables import Table
 from embshard.task import Task
 
-
-@runtime_checkable
-class ShardPredictor(Protocol):
-    """What the NeuroShard search needs from a cost model."""
-
-    #: The batch size the predictions are for (None: not tied to one).
-    batch_size: int | None
-
-    def compute_ms(self, shards: Sequence[Sequence[Table]]) -> np.ndarray:
-        """Predicted fused fw+bw kernel ms of each shard (empty shard -> 0)."""
-        ...
-
-    def comm_ms(self, widths: np.ndarray, delays_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """[n, D] widths and compute delays -> ([n, D] forward ms, [n, D] backward ms)."""
-        ...
-
-
-# ----------------------------------------------------------------------------- analytic adapter
-class AnalyticPredictor:
-    """`AnalyticCostModel` behind the `ShardPredictor` interface, vectorised.
-
-    Args:
-        model: the analytic model (default parameters when None).
-        batch_size: batch the predictions are for; None: the model's, else 4096.
-
-    Compute is the model's formula written as a head over a SUM of per-table encodings
-    (1, weight bytes, row bytes read, lookups, width), so it also offers the incremental
-    interface (`table_encodings`, `reduction`, `head_ms`) the search uses to add a piece to
-    a device's running sum without re-predicting the whole shard, like the neural bundle.
-    Communication: backward = the model's transfer time; forward = transfer + wait for the
-    slowest device (max delay − own delay), as measured.
-    """
-
-    reduction = "sum"
-
-    def __init__(self, model: AnalyticCostModel | None = None, batch_size: int | None = None):
-        self.model = model or AnalyticCostModel()
-        self.batch_size = int(batch_size or self.model.batch_size or 4096)
-        self._coef = self.model._coefficients() * (1.0 + self.model.backward_factor)
-        self._enc: dict[int, tuple[Table, tuple[float, ...]]] = {}
-
-    def _encode(self, t: Table) -> tuple[float, ...]:
-        # keyed by identity (hashing a Table hashes its 17-bin histogram); the entry holds
-        # the table so its id is not reused while cached
-        got = self._enc.get(id(t))
-        if got is None or got[0] is not t:
-            n = self.batch_size * t.pooling_factor
-            got = (t, (1.0, float(t.rows * t.dim * t.bytes_per_element), n * t.dim * t.bytes_per_element, n, float(t.dim)))
-            self._enc[id(t)] = got
-        return got[1]
-
-    def table_encodings(self, tables: Sequence[Table]) -> np.ndarray:
-        """[N, 5] per-table terms: 1, weight bytes, row bytes read, lookups, width."""
-        if not tables:
-            return np.zeros((0, 5))
-        return np.array([self._encode(t) for t in tables], dtype=np.float64)
-
-    def head_ms(self, pooled: np.ndarray) -> np.ndarray:
-        """[n] fw+bw ms of shards from their summed encodings."""
-        pooled = np.asarray(pooled, dtype=np.float64)
-        size = pooled[:, 1]
-        miss = np.maximum(0.0, 1.0 - self.model.cache_bytes / np.where(size > 0, size, np.inf))
-        feats = np.stack([
-            (pooled[:, 0] > 0).astype(np.float64), pooled[:, 0], pooled[:, 2], pooled[:, 3] * miss,
-            self.batch_size * pooled[:, 4] * BYTES_PER_FLOAT,
-        ], axis=1)
-        return feats @ self._coef
-
-    def compute_ms(self, shards: Sequence[Sequence[Table]]) -> np.ndarray:
-        out = np.zeros(len(shards))
-        sizes = np.array([len(s) for s in shards], dtype=np.int64)
-        nonempty = np.flatnonzero(sizes)
-        if nonempty.size == 0:
-            return out
-        enc = self.table_encodings([t for s in shards for t in s])
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))[nonempty]
-        out[nonempty] = self.head_ms(np.add.reduceat(enc, starts, axis=0))
-        return out
-
-    def comm_ms(self, widths: np.ndarray, delays_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        w = np.asarray(widths, dtype=np.float64)
-        delays = np.asarray(delays_ms, dtype=np.float64)
-        n, d = w.shape
-        if d <= 1:
-            return np.zeros_like(w), np.zeros_like(w)
-        base, extra = divmod(self.batch_size, d)
-        b = base + (np.arange(d) < extra)
-        total = w.sum(axis=1, keepdims=True)
-        nbytes = BYTES_PER_FLOAT * ((self.batch_size - b) * w + b * (total - w))
-        bw = self.model.comm_latency_ms + nbytes * 1e-6 / self.model.net_bandwidth_gbps
-        fw = bw + (delays.max(axis=1, keepdims=True) - delays)
-        return fw, bw
+__all__ = ["AnalyticPredictor", "PredictorCostModel", "ShardPredictor", "Simulator", "SimulatorStats",
+           "batch_ratio", "scale_costs"]
 
 
 # ----------------------------------------------------------------------------- simulator
@@ -277,12 +180,6 @@ class PredictorCostModel:
         """Simulated costs at the task's batch (scaled linearly from the predictor's)."""
         costs = self.simulator.device_costs(device_pieces(task, plan))
         return scale_costs(costs, batch_ratio(self.predictor, task))
-
-
-def batch_ratio(predictor: ShardPredictor, task: Task) -> float:
-    """Linear scale from the predictor's batch to the task's (1 when not tied to one)."""
-    b = getattr(predictor, "batch_size", None)
-    return task.batch_size / b if b else 1.0
 
 
 def scale_costs(costs: DeviceCosts, ratio: float) -> DeviceCosts:

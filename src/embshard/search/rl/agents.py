@@ -19,7 +19,7 @@ from embshard.plan import Plan
 from embshard.search.rl.env import Rollouts, TaskView
 from embshard.search.rl.features import FeatureNorm
 from embshard.search.rl.losses import masked_entropy, masked_log_softmax, normalised_advantages, reinforce_loss, vtrace
-from embshard.search.rl.nets import AutoShardNet, DreamShardCostNet, DreamShardPolicy, cost_features
+from embshard.search.rl.nets import AutoShardNet, DreamShardCostNet, DreamShardPolicy, TaskContext, cost_features
 from embshard.task import Task
 
 ESTIMATES = ("overall", "devices")
@@ -44,6 +44,11 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
 def _safe(mask: torch.Tensor) -> torch.Tensor:
     """A step whose mask is all False (an overflow) was sampled from every device."""
     return mask | ~mask.any(dim=-1, keepdim=True)
+
+
+def _rows(x: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """x [K, D, E] at the devices cand [K, M]: [K, M, E]."""
+    return x.gather(1, cand[..., None].expand(-1, -1, x.shape[-1]))
 
 
 def _pad(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
@@ -97,16 +102,23 @@ class DreamShardAgent(_Estimating):
         view.cache["enc_c"] = enc[view.order]
         return view
 
-    def init_state(self, view: TaskView, k: int) -> dict[str, torch.Tensor]:
+    def init_state(self, view: TaskView, k: int, lazy: bool = False) -> dict[str, torch.Tensor]:
         d, ec = view.num_devices, self.costnet.width
         s = torch.zeros(k, d, ec)
         cnt = torch.zeros(k, d)
         enc_p = self.policy.encoder(view.x)
-        return {"S": s, "cnt": cnt, "U": torch.zeros(k, d, enc_p.shape[1]), "enc_p": enc_p,
-                "costs": self.costnet.device_costs(s, cnt)}
+        state = {"S": s, "cnt": cnt, "U": torch.zeros(k, d, enc_p.shape[1]), "enc_p": enc_p,
+                 "costs": self.costnet.device_costs(s, cnt)}
+        if lazy:  # the element-wise max of the sums over devices, kept as tables are placed
+            state["Smax"] = torch.zeros(k, ec)
+        return state
 
-    def step(self, view, state, t, used_share):
+    def step(self, view, state, t, used_share, cand=None):
         k, d = state["cnt"].shape
+        if cand is not None:
+            return self._step_candidates(view, state, t, cand)
+        if self.costnet.structured_comm:  # every device a candidate, with the task's context
+            return self._step_candidates(view, state, t, torch.arange(d).expand(k, d), record=True)
         cf = cost_features(state["costs"], view.even_ms)
         rec = {"cost": cf}
         table_enc = whatif = None
@@ -118,12 +130,62 @@ class DreamShardAgent(_Estimating):
         logits = self.policy.logits(state["U"] * (d / view.num_tables), cf, table_enc, whatif)
         return logits, rec
 
+    def _step_candidates(self, view, state, t, cand, record: bool = False):
+        """[K, M] logits of the candidate devices `cand` [K, M] only (a lazy planning state, or
+        every device of a structured-comm cost network, `record`ing the training inputs)."""
+        k, d = state["cnt"].shape
+        s = _rows(state["S"], cand)
+        cnt = state["cnt"].gather(1, cand)
+        smax = state["Smax"] if "Smax" in state else state["S"].max(dim=1).values
+        net = self.costnet
+        task = self._task_context(state, d) if net.structured_comm else None
+        cf = cost_features(net.device_costs(s, cnt, max_sums=smax, task=task), view.even_ms)
+        rec = {"cost": cf} if record else {}
+        table_enc = whatif = None
+        if self.policy.encode_table:
+            enc = view.cache["enc_c"][t]
+            # as `step`: every device's cost were it to take the table (the context's max too;
+            # the task's payload grows by the table's, once)
+            task_if = None if task is None else TaskContext(task.total_mb + net.encoder.volume_mb(enc), task.devices,
+                                                           task.slowest_ms)
+            whatif = cost_features(net.device_costs(s + enc, cnt + 1, max_sums=smax + enc, task=task_if), view.even_ms)
+            if record:
+                rec["whatif"] = whatif
+            table_enc = state["enc_p"][t].expand(k, -1)
+        logits = self.policy.logits(_rows(state["U"], cand) * (d / view.num_tables), cf, table_enc, whatif)
+        return logits, rec
+
+    def _task_context(self, state, d: int) -> TaskContext:
+        """The structured comm heads' view of all devices: total payload, count, slowest compute."""
+        k = state["cnt"].shape[0]
+        return TaskContext(self.costnet.encoder.volume_mb(state["S"]).sum(-1), torch.full((k,), float(d)),
+                           state["costs"][..., 0].max(-1).values)
+
+    def candidate_scores(self, view, state) -> torch.Tensor:
+        """[K, D] the devices' predicted cost now, lowest first (stale but for the devices that
+        changed, in a lazy state): which devices a lazy step scores."""
+        return state["costs"].sum(-1)
+
     def advance(self, view, state, t, devices, placed):
         oh = Fn.one_hot(devices, view.num_devices).float() * placed[:, None].float()
         state["S"] += oh[..., None] * view.cache["enc_c"][t]
         state["cnt"] += oh
         state["U"] += oh[..., None] * state["enc_p"][t]
-        state["costs"] = self.costnet.device_costs(state["S"], state["cnt"])
+        if "Smax" not in state:
+            state["costs"] = self.costnet.device_costs(state["S"], state["cnt"])
+            return
+        rows = torch.arange(len(devices))
+        s = state["S"][rows, devices]
+        state["Smax"] = torch.maximum(state["Smax"], s)
+        task = self._task_context(state, view.num_devices) if self.costnet.structured_comm else None
+        fresh = self.costnet.device_costs(s[:, None], state["cnt"][rows, devices][:, None], max_sums=state["Smax"],
+                                          task=task)
+        state["costs"][rows, devices] = torch.where(placed[:, None], fresh[:, 0], state["costs"][rows, devices])
+
+    def finish(self, view, state) -> None:
+        """Every device's costs as of the end of the episode (a lazy state kept only some)."""
+        if "Smax" in state:
+            state["costs"] = self.costnet.device_costs(state["S"], state["cnt"])
 
     def estimate(self, view, state):
         if self.estimate_kind == "overall":
@@ -196,9 +258,12 @@ class AutoShardAgent(_Estimating):
         view.cache["h"] = self.states(view.cache["enc"])
         return view
 
-    def init_state(self, view, k):
+    def init_state(self, view, k, lazy: bool = False):
         d = view.num_devices
-        return {"S": torch.zeros(k, d, self.net.width), "cnt": torch.zeros(k, d)}
+        state = {"S": torch.zeros(k, d, self.net.width), "cnt": torch.zeros(k, d)}
+        if lazy:  # each device's predicted compute, refreshed for the device that changed
+            state["cost"] = self.net.shard_cost(state["S"], state["cnt"])
+        return state
 
     def _device_inputs(self, view: TaskView, s: torch.Tensor, cnt: torch.Tensor, used: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,15 +272,32 @@ class AutoShardAgent(_Estimating):
         feats = torch.stack([torch.log1p(costs), costs / max(view.even_ms, 1e-3), used], dim=-1).detach()
         return self.net.actions(s * (view.num_devices / view.num_tables), feats), feats
 
-    def step(self, view, state, t, used_share):
-        a, feats = self._device_inputs(view, state["S"], state["cnt"], used_share)
+    def step(self, view, state, t, used_share, cand=None):
+        if cand is None:
+            a, feats = self._device_inputs(view, state["S"], state["cnt"], used_share)
+            rec = {"used": used_share}
+        else:  # the candidate devices only (the device features are per device)
+            a, feats = self._device_inputs(view, _rows(state["S"], cand), state["cnt"].gather(1, cand),
+                                           used_share.gather(1, cand))
+            rec = {}
         h = view.cache["h"][t].expand(a.shape[0], -1)
-        return self.net.logits(h, a, feats), {"used": used_share}
+        return self.net.logits(h, a, feats), rec
+
+    def candidate_scores(self, view, state) -> torch.Tensor:
+        """[K, D] the devices' predicted compute now, lowest first (a lazy state)."""
+        return state["cost"]
 
     def advance(self, view, state, t, devices, placed):
         oh = Fn.one_hot(devices, view.num_devices).float() * placed[:, None].float()
         state["S"] += oh[..., None] * view.cache["enc"][t]
         state["cnt"] += oh
+        if "cost" in state:
+            rows = torch.arange(len(devices))
+            fresh = self.net.shard_cost(state["S"][rows, devices], state["cnt"][rows, devices])
+            state["cost"][rows, devices] = torch.where(placed, fresh, state["cost"][rows, devices])
+
+    def finish(self, view, state) -> None:
+        """Nothing to refresh: the estimate reads the sums."""
 
     def estimate(self, view, state):
         return self.net.shard_cost(state["S"], state["cnt"]).max(-1).values

@@ -32,7 +32,9 @@ def build_agent(algorithm: str, norm: FeatureNorm, hparams: dict[str, Any], swit
     """A fresh (untrained) agent of `algorithm`."""
     f = norm.num_features
     if algorithm == "dreamshard":
-        costnet = DreamShardCostNet(f, **hparams["costnet"])
+        # the pooled-output MB column, for a structured-comm cost network (un-normalised inside)
+        col = norm.names.index("output_mb")
+        costnet = DreamShardCostNet(f, **hparams["costnet"], volume=(col, float(norm.mean[col]), float(norm.std[col])))
         policy = DreamShardPolicy(f, encode_table=bool(switches["encode_table"]), **hparams["policy"])
         return DreamShardAgent(norm, costnet, policy, reward_comm=bool(switches["reward_comm"]),
                                estimate=str(switches.get("estimate", "overall")))
@@ -113,7 +115,9 @@ def data_card_markdown(bundle_card: dict[str, Any], metrics: dict[str, Any], alg
         "| | |",
         "|---|---|",
         f"| tables | {len(c.get('train_tables', []))} train tables of the pool `{c.get('pool')}`; "
-        f"{len(c.get('test_tables', []))} held-out test tables never seen |",
+        + (f"{len(c.get('validation_tables', []))} validation tables (the validation tasks: every choice is made "
+           f"on them); " if c.get("validation_tables") else "")
+        + f"{len(c.get('test_tables', []))} test tables never seen (names and keys: `split.json`) |",
         f"| tasks | {c.get('num_train_tasks')} training tasks of {c.get('min_tables')}-{c.get('max_tables')} tables, "
         f"dims {c.get('dims')} |",
         f"| device counts | {c.get('device_counts')} |",
@@ -122,6 +126,8 @@ def data_card_markdown(bundle_card: dict[str, Any], metrics: dict[str, Any], alg
         f"| hardware measurements | {c.get('measurements')} plans ({c.get('measured_what')}) |",
         f"| cost data | {c.get('cost_data_samples', 0)} compute samples (batch {c.get('cost_data_batch_sizes', '-')}) from `{c.get('cost_data')}` |",
         f"| switches | {c.get('switches')} |",
+        f"| networks | {c.get('nets', '-')} |",
+        f"| replayed plans | {c.get('replayed_plans', 0)} measured plans of an earlier run (`{c.get('replay')}`) |",
         f"| seed | {c.get('seed')} |",
         "",
         "## Training curve (per iteration)",
@@ -137,7 +143,7 @@ def data_card_markdown(bundle_card: dict[str, Any], metrics: dict[str, Any], alg
             lines.append(f"| {int(h['iteration'])} | " + " | ".join(f"{h[k]:.4g}" if k in h else "" for k in keys) + " |")
     val = metrics.get("validation") or {}
     if val:
-        lines += ["", "## Validation (held-out tasks of train tables, training device count)", ""]
+        lines += ["", "## Validation (tasks of the validation tables, training device count)", ""]
         for k, v in val.items():
             lines.append(f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}")
     return "\n".join(lines) + "\n"

@@ -25,6 +25,7 @@ K episodes of one task run together (one network call per step for all of them).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,15 +80,27 @@ class Agent(Protocol):
 
     def prepare(self, task: Task) -> TaskView: ...
 
-    def init_state(self, view: TaskView, k: int) -> dict[str, torch.Tensor]: ...
+    def init_state(self, view: TaskView, k: int, lazy: bool = False) -> dict[str, torch.Tensor]:
+        """The state of K episodes before any placement. `lazy` (planning with candidate
+        devices): per-device costs are refreshed only for the device that changes."""
+        ...
 
-    def step(self, view: TaskView, state: dict[str, torch.Tensor], t: int, used_share: torch.Tensor
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """[K, D] logits for placing table t, and per-step inputs to record for training."""
+    def step(self, view: TaskView, state: dict[str, torch.Tensor], t: int, used_share: torch.Tensor,
+             cand: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """[K, D] logits for placing table t, and per-step inputs to record for training;
+        with `cand` [K, M] (a lazy state), the [K, M] logits of those devices only."""
+        ...
+
+    def candidate_scores(self, view: TaskView, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[K, D] the devices' predicted cost now (lower: scored first in a lazy state)."""
         ...
 
     def advance(self, view: TaskView, state: dict[str, torch.Tensor], t: int, devices: torch.Tensor,
                 placed: torch.Tensor) -> None: ...
+
+    def finish(self, view: TaskView, state: dict[str, torch.Tensor]) -> None:
+        """Bring a lazy state up to date before `estimate`."""
+        ...
 
     def estimate(self, view: TaskView, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """[K] estimated plan cost (lower is better; picks the best of K)."""
@@ -149,14 +162,15 @@ def _feasible(ledger: MemoryLedger, need: int, mask: str) -> np.ndarray:
         return np.ones_like(room)
     if mask == "room" or not room.any():
         return room
-    ledger._forget_pending(need)
-    packs = np.array([bool(r) and ledger._pending_pack_after(d, need) for d, r in enumerate(room)])
+    ledger.forget_pending(need)
+    packs = np.array([bool(r) and ledger.pending_pack_after(d, need) for d, r in enumerate(room)])
     return packs if packs.any() else room
 
 
 @torch.no_grad()
 def rollout(agent: Agent, view: TaskView, k: int, *, train: bool, sample: bool = True, argmax_first: bool = False,
-            mask: str = "lookahead", generator: torch.Generator | None = None) -> Rollouts:
+            mask: str = "lookahead", generator: torch.Generator | None = None,
+            max_candidates: int | None = None) -> Rollouts:
     """Run K episodes of one task.
 
     Args:
@@ -164,6 +178,10 @@ def rollout(agent: Agent, view: TaskView, k: int, *, train: bool, sample: bool =
             the `mask`-ed softmax. False: plan through `MemoryLedger.place` (see module doc).
         sample: sample actions (False: argmax for every episode).
         argmax_first: episode 0 takes the argmax, the others sample (best-of-K planning).
+        max_candidates: planning only: on a task of more devices than this, each step scores
+            only the `max_candidates` devices with room whose predicted cost is lowest now (the
+            others follow them in the ledger's preference, cheapest first), so a step costs
+            O(max_candidates) network rows, not O(devices). None: every device.
     """
     if mask not in MASKS:
         raise InputError(f"mask must be one of {', '.join(MASKS)}, got {mask!r}")
@@ -173,7 +191,8 @@ def rollout(agent: Agent, view: TaskView, k: int, *, train: bool, sample: bool =
         check_fits_anywhere(task)
     lookahead = mask == "lookahead" or not train
     ledgers = [MemoryLedger(task, pending=view.needs if lookahead else ()) for _ in range(k)]
-    state = agent.init_state(view, k)
+    lazy = not train and max_candidates is not None and d > int(max_candidates)
+    state = agent.init_state(view, k, lazy=lazy)
     devices = torch.full((k, n), -1, dtype=torch.long)
     alive = torch.ones(k, dtype=torch.bool)
     overflow = torch.zeros(k, dtype=torch.bool)
@@ -187,58 +206,92 @@ def rollout(agent: Agent, view: TaskView, k: int, *, train: bool, sample: bool =
     elif argmax_first:
         greedy[0] = True
     memory = float(task.device_memory_bytes)
+    used = torch.tensor([[1.0 - f / memory for f in led.free] for led in ledgers], dtype=torch.float32)
     for t in range(n):
         table, need = tables[t], view.needs[t]
-        used = torch.tensor([[1.0 - f / memory for f in led.free] for led in ledgers], dtype=torch.float32)
-        logits, rec = agent.step(view, state, t, used)
-        if train:
-            for key, v in rec.items():
-                records.setdefault(key, []).append(v)
-            m = torch.from_numpy(np.stack([_feasible(led, need, mask) if alive[i] else np.ones(d, bool)
-                                           for i, led in enumerate(ledgers)]))
-            ok = m.any(dim=1)
-            logp = masked_log_softmax(logits, m | ~ok[:, None])
-            drawn = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
-            choice = torch.where(greedy, logp.argmax(dim=1), drawn)
-            masks[:, t] = m
-            blogp[:, t] = logp.gather(1, choice[:, None]).squeeze(1)
-            for i in range(k):
-                if not alive[i]:
-                    continue
-                dev = int(choice[i])
-                actions[i, t] = dev
-                if not ok[i] or ledgers[i].free[dev] < need:  # only mask="none"/"room" get here
-                    alive[i] = False
-                    overflow[i] = True
-                    continue
-                ledgers[i].take(dev, need)
-                devices[i, t] = dev
+        if lazy:
+            devices[:, t] = _place_candidates(agent, view, state, t, table, used, ledgers, int(max_candidates),
+                                              greedy, generator)
         else:
-            scores = logits.clone()
-            noisy = ~greedy
-            if noisy.any():
-                u = torch.rand(scores.shape, generator=generator).clamp(1e-9, 1 - 1e-9)
-                scores[noisy] += -torch.log(-torch.log(u[noisy]))
-            prefs = torch.argsort(scores, dim=1, descending=True).tolist()
-            for i in range(k):
-                devices[i, t] = ledgers[i].place(table, need, prefs[i])
+            logits, rec = agent.step(view, state, t, used.clone())
+            if train:
+                for key, v in rec.items():
+                    records.setdefault(key, []).append(v)
+                m = torch.from_numpy(np.stack([_feasible(led, need, mask) if alive[i] else np.ones(d, bool)
+                                               for i, led in enumerate(ledgers)]))
+                ok = m.any(dim=1)
+                logp = masked_log_softmax(logits, m | ~ok[:, None])
+                drawn = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+                choice = torch.where(greedy, logp.argmax(dim=1), drawn)
+                masks[:, t] = m
+                blogp[:, t] = logp.gather(1, choice[:, None]).squeeze(1)
+                for i in range(k):
+                    if not alive[i]:
+                        continue
+                    dev = int(choice[i])
+                    actions[i, t] = dev
+                    if not ok[i] or ledgers[i].free[dev] < need:  # only mask="none"/"room" get here
+                        alive[i] = False
+                        overflow[i] = True
+                        continue
+                    ledgers[i].take(dev, need)
+                    devices[i, t] = dev
+            else:
+                scores = logits.clone()
+                noisy = ~greedy
+                if noisy.any():
+                    u = torch.rand(scores.shape, generator=generator).clamp(1e-9, 1 - 1e-9)
+                    scores[noisy] += -torch.log(-torch.log(u[noisy]))
+                prefs = torch.argsort(scores, dim=1, descending=True).tolist()
+                for i in range(k):
+                    devices[i, t] = ledgers[i].place(table, need, prefs[i])
         placed = devices[:, t] >= 0
+        for i in np.flatnonzero(placed.numpy()).tolist():  # the memory share of the device that took it
+            dev = int(devices[i, t])
+            used[i, dev] = 1.0 - ledgers[i].free[dev] / memory
         agent.advance(view, state, t, devices[:, t].clamp(min=0), placed)
     steps = torch.zeros((k, n), dtype=torch.bool)
     for i in range(k):  # an episode's steps run up to and including the one that overflowed
         last = int((devices[i] >= 0).sum()) + (1 if overflow[i] else 0)
         steps[i, :last] = True
+    agent.finish(view, state)
     out = Rollouts(view, devices, steps, agent.estimate(view, state), agent.reward(view, state, overflow), overflow,
                    actions, masks, blogp)
     out.records = {key: torch.stack(v, dim=1) for key, v in records.items()}
     return out
 
 
+def _place_candidates(agent: Agent, view: TaskView, state: dict[str, torch.Tensor], t: int, table: Table,
+                      used: torch.Tensor, ledgers: list[MemoryLedger], m: int, greedy: torch.Tensor,
+                      generator: torch.Generator | None) -> torch.Tensor:
+    """One planning step of a lazy state: score the `m` devices with room whose predicted cost
+    is lowest now, then place through the ledger: those devices by logit (Gumbel-perturbed for
+    a sampled episode), then every other device cheapest first."""
+    need = view.needs[t]
+    free = torch.tensor([led.free for led in ledgers], dtype=torch.float64)
+    score = agent.candidate_scores(view, state).double().masked_fill(free < need, float("inf"))
+    cand = torch.topk(score, m, dim=1, largest=False).indices
+    logits, _ = agent.step(view, state, t, used, cand)
+    noisy = ~greedy
+    if noisy.any():
+        u = torch.rand(logits.shape, generator=generator).clamp(1e-9, 1 - 1e-9)
+        logits[noisy] += -torch.log(-torch.log(u[noisy]))
+    first = cand.gather(1, torch.argsort(logits, dim=1, descending=True)).tolist()
+    out = torch.empty(len(ledgers), dtype=torch.long)
+    for i, led in enumerate(ledgers):
+        scored = set(first[i])
+        rest = (d for d in torch.argsort(score[i]).tolist() if d not in scored)
+        out[i] = led.place(table, need, itertools.chain(first[i], rest))
+    return out
+
+
 def best_plan(agent: Agent, task: Task, samples: int, generator: torch.Generator | None = None,
-              algorithm: str | None = None) -> tuple[Plan, float]:
+              algorithm: str | None = None, max_candidates: int | None = None) -> tuple[Plan, float]:
     """Argmax plan (samples=0), or the one of {argmax + `samples` sampled episodes} with the
-    lowest estimated cost. Returns (plan, its estimated cost in ms)."""
+    lowest estimated cost. Returns (plan, its estimated cost in ms). `max_candidates`: see
+    `rollout`."""
     view = agent.prepare(task)
-    r = rollout(agent, view, 1 + samples, train=False, sample=samples > 0, argmax_first=True, generator=generator)
+    r = rollout(agent, view, 1 + samples, train=False, sample=samples > 0, argmax_first=True, generator=generator,
+                max_candidates=max_candidates)
     k = int(torch.argmin(r.estimated_ms))
     return r.plan(k, algorithm or agent.algorithm), float(r.estimated_ms[k])

@@ -8,6 +8,8 @@ goes through the same weights.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -51,28 +53,43 @@ class ShardEncoder(nn.Module):
     unbounded MLP on the sum (the reference's head; `additive: false`) does not.
     """
 
-    def __init__(self, num_features: int, hidden: int = 128, out: int = 32, additive: bool = True):
+    def __init__(self, num_features: int, hidden: int = 128, out: int = 32, additive: bool = True,
+                 volume: tuple[int, float, float] | None = None):
         super().__init__()
         self.mlp = mlp([num_features, hidden, out], relu_last=True)
         self.own = nn.Linear(out, 1) if additive else None
         self.out = out
-        self.width = out + (1 if additive else 0)  # columns of an encoding (and of a sum)
+        #: (input column, its mean, its std): the table's pooled output MB at the task's batch,
+        #: un-normalised into the last column, so a device's sum is its all-to-all payload
+        self.volume = volume
+        self.width = out + (1 if additive else 0) + (1 if volume is not None else 0)  # columns of an encoding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         e = self.mlp(x)
-        return torch.cat([e, nn.functional.softplus(self.own(e))], dim=-1) if self.own is not None else e
+        parts = [e]
+        if self.own is not None:
+            parts.append(nn.functional.softplus(self.own(e)))
+        if self.volume is not None:
+            col, mean, std = self.volume
+            parts.append((x[..., col : col + 1] * std + mean).clamp_min(0.0))
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else e
 
     def features(self, sums: torch.Tensor) -> torch.Tensor:
-        """What heads read from a sum: the encoding part, and log(1 + summed own cost)."""
-        if self.own is None:
+        """What heads read from a sum: the encoding part, and log(1 + summed own cost) (and
+        log(1 + summed output MB))."""
+        if self.width == self.out:
             return sums
         return torch.cat([sums[..., : self.out], torch.log1p(sums[..., self.out :])], dim=-1)
+
+    def volume_mb(self, sums: torch.Tensor) -> torch.Tensor:
+        """[...] the summed pooled-output MB of shards (the volume column)."""
+        return sums[..., -1]
 
     def compute_log(self, head: nn.Module, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """[...] log(1 + compute ms) of shards from sums [..., width] and table counts [...]
         (an empty shard computes nothing)."""
         if self.own is None:
-            y = head(sums).squeeze(-1)
+            y = head(self.features(sums)).squeeze(-1) if self.volume is not None else head(sums).squeeze(-1)
         else:
             y = torch.log1p(sums[..., self.out] * torch.exp(torch.tanh(head(self.features(sums)).squeeze(-1))))
         return y * (counts > 0)
@@ -88,29 +105,76 @@ class DreamShardCostNet(nn.Module):
     over devices of the sums predicts the plan cost.
     """
 
-    def __init__(self, num_features: int, hidden: int = 128, out: int = 32, head_hidden: int = 64, additive: bool = True):
+    def __init__(self, num_features: int, hidden: int = 128, out: int = 32, head_hidden: int = 64, additive: bool = True,
+                 structured_comm: bool = False, volume: tuple[int, float, float] | None = None):
         super().__init__()
-        self.encoder = ShardEncoder(num_features, hidden, out, additive)
+        if structured_comm and volume is None:
+            raise ValueError("structured_comm needs the volume column (the input column of pooled-output MB)")
+        self.structured_comm = bool(structured_comm)
+        self.encoder = ShardEncoder(num_features, hidden, out, additive, volume if structured_comm else None)
         w = self.encoder.width
         self.compute = mlp([w, head_hidden, 1])
-        self.forward_comm = mlp([2 * w, head_hidden, 1])
-        self.backward_comm = mlp([2 * w, head_hidden, 1])
+        comm_in = 2 * w + (len(COMM_CONTEXT) if structured_comm else 0)
+        self.forward_comm = mlp([comm_in, head_hidden, 1])
+        self.backward_comm = mlp([comm_in, head_hidden, 1])
         self.overall = mlp([w, head_hidden, 1])
+        if structured_comm:  # ms per MB moved and a per-step constant (log), forward and backward
+            self.comm_rate = nn.Parameter(torch.full((2,), math.log(0.8)))
+            self.comm_base = nn.Parameter(torch.full((2,), math.log(0.5)))
         self.width = w
 
-    def device_log(self, sums: torch.Tensor, counts: torch.Tensor, device_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def device_log(self, sums: torch.Tensor, counts: torch.Tensor, device_mask: torch.Tensor | None = None,
+                   max_sums: torch.Tensor | None = None, task: "TaskContext | None" = None) -> torch.Tensor:
         """[..., D, 3] raw head outputs, log(1 + ms) of compute, forward comm, backward comm,
         from per-device encoding sums [..., D, E] and table counts [..., D] (an empty device
-        computes nothing); `device_mask` [..., D] marks real devices when D is padded."""
+        computes nothing); `device_mask` [..., D] marks real devices when D is padded.
+        `max_sums` [..., E]: the element-wise max of the sums over ALL the task's devices, when
+        `sums` holds only some of them (the comm heads' context is taken from it); `task`: the
+        same for the structured comm heads (total payload, device count, slowest compute)."""
         feats = self.encoder.features(sums)
-        ctx = self.context(feats, device_mask).unsqueeze(-2).expand_as(feats)
+        if max_sums is None:
+            ctx = self.context(feats, device_mask)
+        else:  # features are monotone in the sums: the max of the features is the features of the max
+            ctx = self.encoder.features(max_sums)
+        ctx = ctx.unsqueeze(-2).expand_as(feats)
         both = torch.cat([feats, ctx], dim=-1)
         compute = self.encoder.compute_log(self.compute, sums, counts)
+        if self.structured_comm:
+            return self._structured(sums, feats, both, compute, device_mask, task)
         return torch.stack([compute, self.forward_comm(both).squeeze(-1), self.backward_comm(both).squeeze(-1)], dim=-1)
 
-    def device_costs(self, sums: torch.Tensor, counts: torch.Tensor, device_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _structured(self, sums: torch.Tensor, feats: torch.Tensor, both: torch.Tensor, compute: torch.Tensor,
+                    device_mask: torch.Tensor | None, task: "TaskContext | None") -> torch.Tensor:
+        """Comm as the all-to-all pays it: each device's payload in MB (what it sends and
+        receives, from its own and the task's pooled outputs, at any device count) times a
+        learned rate the heads bend by at most e^±2 from what the device and the task look
+        like (device count included), plus a constant; forward comm adds the wait for the
+        slowest device's compute. So comm extrapolates in devices and tables as the volume does."""
+        out_d = self.encoder.volume_mb(sums)
+        c_ms = log1p_ms(compute)
+        if task is None:  # every device is here
+            m = torch.ones_like(out_d, dtype=torch.bool) if device_mask is None else device_mask
+            total = (out_d * m).sum(-1, keepdim=True)
+            d = m.sum(-1, keepdim=True).to(out_d.dtype)
+            slowest = c_ms.masked_fill(~m, 0.0).max(-1, keepdim=True).values
+        else:
+            total, d, slowest = task.total_mb.unsqueeze(-1), task.devices.unsqueeze(-1), task.slowest_ms.unsqueeze(-1)
+            slowest = torch.maximum(slowest, c_ms)
+        volume = (out_d * (d - 1) + (total - out_d)).clamp_min(0.0) / d.clamp_min(1.0)
+        extra = torch.stack(torch.broadcast_tensors(torch.log1p(volume), torch.log(d.clamp_min(1.0)),
+                                                    torch.log1p(total)), dim=-1)
+        x = torch.cat([both, extra], dim=-1)
+        many = (d > 1).to(out_d.dtype)
+        rate, base = self.comm_rate.exp(), self.comm_base.exp()
+        bw = many * (volume * rate[1] * torch.exp(2.0 * torch.tanh(self.backward_comm(x).squeeze(-1) / 2.0)) + base[1])
+        fw = many * (volume * rate[0] * torch.exp(2.0 * torch.tanh(self.forward_comm(x).squeeze(-1) / 2.0)) + base[0])
+        fw = fw + (slowest - c_ms).detach().clamp_min(0.0)
+        return torch.stack([compute, torch.log1p(fw), torch.log1p(bw)], dim=-1)
+
+    def device_costs(self, sums: torch.Tensor, counts: torch.Tensor, device_mask: torch.Tensor | None = None,
+                     max_sums: torch.Tensor | None = None, task: "TaskContext | None" = None) -> torch.Tensor:
         """[..., D, 3] predicted ms (see `device_log`)."""
-        return log1p_ms(self.device_log(sums, counts, device_mask))
+        return log1p_ms(self.device_log(sums, counts, device_mask, max_sums, task))
 
     def plan_log(self, sums: torch.Tensor, device_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[...] raw overall head output, log(1 + plan cost ms)."""
@@ -125,6 +189,21 @@ class DreamShardCostNet(nn.Module):
         if device_mask is not None:
             feats = feats.masked_fill(~device_mask.unsqueeze(-1), 0.0)  # features are >= 0
         return feats.max(dim=-2).values
+
+
+#: What the structured comm heads see besides a device's encoding and the devices' max: log(1 +
+#: its payload MB), log(devices), log(1 + the task's total pooled output MB)
+COMM_CONTEXT = ("log1p_volume_mb", "log_devices", "log1p_total_mb")
+
+
+@dataclass
+class TaskContext:
+    """What structured comm heads need of ALL the task's devices when scoring only some: the
+    total pooled-output MB, the device count and the slowest device's compute (ms), [K] each."""
+
+    total_mb: torch.Tensor
+    devices: torch.Tensor
+    slowest_ms: torch.Tensor
 
 
 #: Inputs per device that describe its predicted costs: log(1 + ms) of the three costs and

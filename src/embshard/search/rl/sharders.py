@@ -39,6 +39,9 @@ class RLSharder:
         sample_max_work: sample only when tables x devices x samples <= this (None: always).
         seed: seeds the sampling.
         num_threads: torch threads while planning (None: unchanged).
+        max_candidates: on a task of more devices than this, each placement scores only this
+            many devices with room, those whose predicted cost is lowest now (`env.rollout`);
+            None: every device.
     """
 
     algorithm = "rl"
@@ -46,7 +49,8 @@ class RLSharder:
     capabilities = Capabilities(("pooled",), splits_tables=False)
 
     def __init__(self, checkpoint: str | os.PathLike, samples: int = 0, sample_max_work: int | None = 200_000,
-                 seed: int = 0, num_threads: int | None = 1, name: str | None = None):
+                 seed: int = 0, num_threads: int | None = 1, name: str | None = None,
+                 max_candidates: int | None = 128):
         if int(samples) < 0:
             raise InputError(f"{self.algorithm}: samples must be >= 0, got {samples!r}")
         self.checkpoint = str(checkpoint)
@@ -54,6 +58,9 @@ class RLSharder:
         self.sample_max_work = None if sample_max_work is None else int(sample_max_work)
         self.seed = int(seed)
         self.num_threads = num_threads
+        if max_candidates is not None and int(max_candidates) < 1:
+            raise InputError(f"{self.algorithm}: max_candidates must be >= 1 or null, got {max_candidates!r}")
+        self.max_candidates = None if max_candidates is None else int(max_candidates)
         self.name = name or self.algorithm
         self._agent: Any = None
         self.bundle: dict[str, Any] | None = None
@@ -79,18 +86,45 @@ class RLSharder:
         samples = self.samples_for(task)
         with torch_threads(self.num_threads), torch.no_grad():
             gen = torch.Generator().manual_seed(self.seed)
-            plan, estimate_ms = best_plan(agent, task, samples, generator=gen, algorithm=self.name)
+            plan, estimate_ms = best_plan(agent, task, samples, generator=gen, algorithm=self.name,
+                                          max_candidates=self.max_candidates)
         validate(task, plan)
         self.last_search_seconds = time.perf_counter() - start
-        self.last_predicted_cost_ms = estimate_ms
-        self.last_stats = {"samples": samples, "estimated_ms": estimate_ms}
+        estimate = self.trusted_estimate(task, plan, estimate_ms)
+        self.last_predicted_cost_ms = estimate["ms"]
+        self.last_stats = {"samples": samples, "estimated_ms": estimate["ms"]}
         # samples below samples_requested: the task was over sample_max_work (argmax only)
         self.last_search_info = {"checkpoint": str(resolve_path(self.checkpoint)), "samples": samples,
-                                 "samples_requested": self.samples}
+                                 "samples_requested": self.samples, "estimate": estimate}
         if samples < self.samples:
             log.info("%s: %s has %d tables x %d devices; argmax only (sample_max_work=%s)", self.name, task.name,
                      len(task.tables), task.num_devices, self.sample_max_work)
         return plan
+
+
+    def trusted_estimate(self, task: Task, plan: Plan, network_ms: float) -> dict[str, Any]:
+        """What this planner reports as its plan's estimate: its cost network's, unless that is
+        more than FAR_FACTOR times off the analytic model's estimate of the same quantity
+        (the network extrapolating far outside what it was trained on: more tables or devices,
+        another batch); then the analytic model's, with the reason. `of` names the quantity:
+        DreamShard estimates the plan cost, AutoShard the slowest device's compute."""
+        from embshard.costs.analytic import AnalyticCostModel
+        from embshard.costs.neural.models import FAR_FACTOR
+
+        costs = AnalyticCostModel().device_costs(task, plan)
+        of = "plan cost" if self.algorithm == "dreamshard" else "slowest device's compute"
+        ref = costs.plan_cost_ms if self.algorithm == "dreamshard" else max(costs.compute_ms)
+        if ref > 0 and 1.0 / FAR_FACTOR <= network_ms / ref <= FAR_FACTOR:
+            return {"ms": float(network_ms), "of": of, "source": "cost network"}
+        return {"ms": float(ref), "of": of, "source": "analytic",
+                "reason": f"the cost network's estimate is over {FAR_FACTOR:g}x off the analytic model's "
+                          f"({len(task.tables)} tables, {task.num_devices} devices, batch {task.batch_size}; "
+                          f"trained on {self._trained()})"}
+
+    def _trained(self) -> str:
+        card = (self.bundle or {}).get("data_card") or {}
+        return (f"{card.get('min_tables')}-{card.get('max_tables')} tables, devices {card.get('device_counts')}, "
+                f"batch {card.get('batch_sizes')}")
 
 
 class DreamShardSharder(RLSharder):

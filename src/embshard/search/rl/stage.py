@@ -1,20 +1,24 @@
 """`python train.py stage=rl rl=dreamshard|autoshard`: train a policy, write its checkpoint.
 
-Training tasks come from the TRAIN half of the table pool (the split `task=dreamshard` makes:
-`embshard.data.tasks.dreamshard_tasks`, same seed, same split), or from `rl.task_dir`.
-Validation tasks are other tasks of the train tables at the training device count (the test
-tables are never touched in training or in choosing anything). Writes to `out_dir`:
+Training tasks come from the TRAIN tables of the pool's train / validation / test split
+(`embshard.data.split.TableSplit`; its train tables are those of the two-way split
+`task=dreamshard` makes with test fraction validation + test), or from `rl.task_dir`.
+Validation tasks are tasks of the VALIDATION tables at the training device count: unseen in
+training, and every choice made on them; the test tables are never touched in training or in
+choosing anything. Writes to `out_dir`:
 
 * `policy.pt`: the checkpoint (`search=dreamshard|autoshard ...checkpoint=<it>`);
 * `data_card.md`, `metrics.json` (per-iteration curves, validation), `curves.png`;
-* `measured_plans.jsonl`: every plan measured in training (task, plan, measured device costs,
+* `measured_plans.jsonl`: every measured plan training learned from, the replayed ones
+  (`rl.replay`) first, then those measured in training (task, plan, measured device costs,
   the estimate at the time), to check the cost network's fidelity or to reuse as cost data;
-* `split.json` (train / test table names), `logs/` (Lightning's CSVLogger) and `wandb/`
+* `split.json` (train / validation / test table names and keys), `logs/` (Lightning's CSVLogger) and `wandb/`
   (offline), in `rl.log_dir` instead when set (the shipped checkpoints keep logs out of git).
 
 Returns the validation objective (a sweep minimises it): the policy's plan cost over the
 best of the six heuristic baselines' on each validation task, averaged; measured on the
-hardware when `rl.validate.measure`, else estimated by the policy's own cost network.
+hardware when `rl.validate.measure`, else estimated (`rl.validate.estimator`: the policy's own
+cost network, or NeuroShard's cost models, which no policy trained with).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import time
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +46,9 @@ from embshard.search.rl.checkpoint import ALGORITHMS, build_agent, data_card_mar
 from embshard.search.rl.env import MASKS, best_plan
 from embshard.search.rl.features import FeatureNorm
 from embshard.hardware.protocol import torch_threads
+
+if TYPE_CHECKING:
+    from embshard.costs.neural import NeuralCostModels
 from embshard.task import Task, load_tasks
 
 log = logging.getLogger(__name__)
@@ -90,7 +97,8 @@ def switches_of(c: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- tasks
 def training_tasks(c: dict[str, Any], dataset: Path | None, seed: int) -> tuple[list[Task], list[Task], dict[str, Any]]:
     """(train tasks, validation tasks, split) from the pool's train half or from rl.task_dir."""
-    from embshard.data.tasks import dreamshard_tasks, neuroshard_tasks, split_pool, table_pool_from_dataset
+    from embshard.data.split import TableSplit
+    from embshard.data.tasks import dreamshard_tasks, neuroshard_tasks, table_pool_from_dataset
 
     t = c["tasks"]
     common = dict(min_tables=int(t["min_tables"]), max_tables=int(t["max_tables"]), dims=list(t["dims"]),
@@ -106,13 +114,18 @@ def training_tasks(c: dict[str, Any], dataset: Path | None, seed: int) -> tuple[
     if dataset is None:
         raise InputError("stage=rl needs a dataset (dataset=...) or rl.task_dir=<folder of training task JSONs>")
     pool = table_pool_from_dataset(dataset)
-    out = dreamshard_tasks(pool, num_train_tasks=int(t["num_train_tasks"]), num_test_tasks=1,
-                           test_fraction=float(t["test_fraction"]), seed=seed, **common)
-    train_pool, _ = split_pool(pool, float(t["test_fraction"]), seed)
-    val = neuroshard_tasks(train_pool, int(t["num_val_tasks"]), seed=seed * 2 + 7, name_prefix="rl-val", **common) \
+    split = TableSplit.of_pool(pool, float(t["validation_fraction"]), float(t["test_fraction"]), seed,
+                               pool_name=str(dataset))
+    held = float(t["validation_fraction"]) + float(t["test_fraction"])
+    out = dreamshard_tasks(pool, num_train_tasks=int(t["num_train_tasks"]), num_test_tasks=1, test_fraction=held,
+                           seed=seed, **common)
+    # validation tasks: of the validation tables, which neither training nor the test ever sees
+    val_pool = split.entries(pool, "validation")
+    val_common = dict(common, min_tables=min(common["min_tables"], len(val_pool)),
+                      max_tables=min(common["max_tables"], len(val_pool)))
+    val = neuroshard_tasks(val_pool, int(t["num_val_tasks"]), seed=seed * 2 + 7, name_prefix="rl-val", **val_common) \
         if int(t["num_val_tasks"]) > 0 else []
-    split = dict(out["split"], pool=str(dataset))
-    return out["train"], val, split
+    return out["train"], val, split.to_dict()
 
 
 # ----------------------------------------------------------------------------- loggers
@@ -199,9 +212,12 @@ def train_agent(c: dict[str, Any], tasks: Sequence[Task], out_dir: Path, measure
     return agent, module, timing
 
 
-def validate_agent(agent: Any, tasks: Sequence[Task], measure: Callable | None, seed: int) -> dict[str, Any]:
+def validate_agent(agent: Any, tasks: Sequence[Task], measure: Callable | None, seed: int,
+                   estimator: NeuralCostModels | None = None) -> dict[str, Any]:
     """Estimated (and, with `measure`, measured) cost of the argmax plan over the best
-    heuristic's on each task; mean and per-task ratios."""
+    heuristic's on each task; mean and per-task ratios. `estimator`: NeuroShard's cost models
+    estimate every plan (none of the policies trained with them); None: the agent's own cost
+    network (which favours the plans its policy was trained on)."""
     if not tasks:
         return {}
     heuristics = heuristic_baselines(seed)
@@ -211,14 +227,19 @@ def validate_agent(agent: Any, tasks: Sequence[Task], measure: Callable | None, 
         plans = {agent.algorithm: plan}
         for name, h in heuristics.items():
             plans[name] = h.shard(task)
-        est = {name: agent.estimate_plan(task, p) for name, p in plans.items()}
+        if estimator is not None:
+            est = {name: estimator.device_costs(task, p).plan_cost_ms for name, p in plans.items()}
+        else:
+            est = {name: agent.estimate_plan(task, p) for name, p in plans.items()}
         est_ratio.append(est[agent.algorithm] / min(v for k, v in est.items() if k != agent.algorithm))
         if measure is not None:
             costs = measure(task, list(plans.values()))
             got = {name: c.plan_cost_ms for name, c in zip(plans, costs)}
             meas_ratio.append(got[agent.algorithm] / min(v for k, v in got.items() if k != agent.algorithm))
     out: dict[str, Any] = {"tasks": len(tasks), "estimated_ratio_to_best_heuristic": float(np.mean(est_ratio)),
-                           "estimated_ratios": [round(x, 4) for x in est_ratio]}
+                           "estimated_ratios": [round(x, 4) for x in est_ratio],
+                           "estimated_by": "policy cost network" if estimator is None else
+                           estimator.source}
     if meas_ratio:
         out["measured_ratio_to_best_heuristic"] = float(np.mean(meas_ratio))
         out["measured_ratios"] = [round(x, 4) for x in meas_ratio]
@@ -285,9 +306,14 @@ def run_rl(c: dict[str, Any], dataset: Path | None, out_dir: Path, make_evaluato
             replayed = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         except json.JSONDecodeError as e:
             raise InputError(f"rl.replay: {path}: malformed JSON Lines ({e.msg} at line {e.lineno})") from None
+    estimator = None
+    if (c["validate"] or {}).get("estimator"):
+        from embshard.costs.neural import NeuralCostModels
+
+        estimator = NeuralCostModels.load(c["validate"]["estimator"])
     with torch_threads(c.get("num_threads")):
         agent, module, timing = train_agent(c, tasks, out_dir, measure, cost_samples, replayed)
-        validation = validate_agent(agent, val_tasks, measure if c["validate"]["measure"] else None, seed)
+        validation = validate_agent(agent, val_tasks, measure if c["validate"]["measure"] else None, seed, estimator)
     objective = validation.get("measured_ratio_to_best_heuristic", validation.get("estimated_ratio_to_best_heuristic", float("nan")))
     metrics = {"objective": objective, "history": module.history, "validation": validation}
 
@@ -297,7 +323,10 @@ def run_rl(c: dict[str, Any], dataset: Path | None, out_dir: Path, make_evaluato
         "host": socket.gethostname(),
         "pool": split.get("pool"),
         "train_tables": list(split.get("train", [])),
+        "validation_tables": list(split.get("validation", [])),
         "test_tables": list(split.get("test", [])),
+        # the pool's train / validation / test split (embshard.data.split), names and keys
+        "split": split if "keys" in split else None,
         "num_train_tasks": len(tasks),
         "min_tables": min(len(t.tables) for t in tasks),
         "max_tables": max(len(t.tables) for t in tasks),
@@ -314,6 +343,7 @@ def run_rl(c: dict[str, Any], dataset: Path | None, out_dir: Path, make_evaluato
         "replayed_plans": len(replayed),
         "replay": c.get("replay"),
         "switches": switches_of(c),
+        "nets": c["nets"][c["algorithm"]],
         "seed": seed,
         **{k: round(v, 1) for k, v in timing.items()},
     }
@@ -321,7 +351,9 @@ def run_rl(c: dict[str, Any], dataset: Path | None, out_dir: Path, make_evaluato
     save_checkpoint(out_dir / POLICY_FILE, agent, hparams, switches_of(c), card, metrics)
     write_json_atomic(out_dir / "metrics.json", {"data_card": card, **metrics})
     write_json_atomic(out_dir / "split.json", {k: v for k, v in split.items()})
-    write_text_atomic(out_dir / "measured_plans.jsonl", "".join(json.dumps(r) + "\n" for r in module.measured_plans))
+    # every measured plan the cost network learned from: the replayed ones (rl.replay) first
+    write_text_atomic(out_dir / "measured_plans.jsonl",
+                      "".join(json.dumps(r) + "\n" for r in [*replayed, *module.measured_plans]))
     write_text_atomic(out_dir / "data_card.md", data_card_markdown(card, metrics, c["algorithm"], command))
     if module.history:
         plot_curves(module.history, out_dir / "curves.png", c["algorithm"])
@@ -355,4 +387,10 @@ def run_from_config(cfg: Any, dataset: Callable[[], Path], out_dir: Path) -> flo
     make_evaluator = (lambda: instantiate(hw)) if hw is not None else None
     data = None if c.get("task_dir") else dataset()
     command = f"python train.py stage=rl rl={c['algorithm']} ..."
+    try:  # the overrides as typed, for the data card
+        from hydra.core.hydra_config import HydraConfig
+
+        command = "python train.py " + " ".join(HydraConfig.get().overrides.task)
+    except ValueError:  # not under Hydra (a test calling it directly)
+        pass
     return run_rl(c, data, out_dir, make_evaluator, command=command)

@@ -1,0 +1,230 @@
+"""The measured evaluation of issue 18: fresh test tasks of unseen tables, every algorithm
+including the portfolio, summarised with bootstrap intervals against the issue's aims.
+
+    python scripts/portfolio_eval.py tasks --out experiments/portfolio_eval/tasks      # one folder per setting
+    python shard.py task_file=experiments/portfolio_eval/tasks/<setting> algorithms=[...] out_dir=.../runs/<setting>
+    python scripts/portfolio_eval.py summarize experiments/portfolio_eval/runs --out experiments/portfolio_eval
+
+(`make portfolio-eval` runs all of it.) The tasks come from the TEST tables of a pool's train /
+validation / test split (`embshard.data.split.TableSplit`; by default a fresh 512-table
+synthetic pool, seed 2, generated under data/ on first use, split 50 / 25 / 25 %, so 128 test
+tables), and the script refuses to write them when any holds a table one of the checkpoints
+was trained or tuned on (`check_unseen`). Settings, `--num-tasks` tasks each (24 by default),
+batch 8192 and 16384 in turn, dims {4..128}, memory 1.5x an even share:
+
+* `20-30x4`: 20-30 unseen tables on 4 devices; `20-30x2`, `20-30x8`: on 2 and 8 devices;
+* `8-12x4`, `40-48x4`: 8-12 and 40-48 tables;
+* `20-30x4-nohist`: 20-30 tables without reuse histograms or traces (a user's tables).
+
+The summary gives per setting and algorithm the mean measured cost, the ratio to the best of
+the six heuristics per task (mean with its bootstrap 95% interval over tasks and verdict),
+tasks worse than that heuristic beyond their own paired interval, the mean gap to the balance
+reference and search seconds (`embshard.report.summarize_results`), and then the issue's aims
+one by one: met, not met, or not resolved (the interval straddles the aim).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKPOINTS = [str(ROOT / "checkpoints" / "cpu_fbgemm" / "cost_models.pt"),
+               str(ROOT / "checkpoints" / "dreamshard_cpu" / "policy.pt"),
+               str(ROOT / "checkpoints" / "autoshard_cpu" / "policy.pt")]
+#: name -> (min tables, max tables, devices, seed offset, tables keep their reuse histogram)
+SETTINGS: dict[str, tuple[int, int, int, int, bool]] = {
+    "20-30x4": (20, 30, 4, 21, True),
+    "20-30x2": (20, 30, 2, 22, True),
+    "20-30x8": (20, 30, 8, 23, True),
+    "8-12x4": (8, 12, 4, 24, True),
+    "40-48x4": (40, 48, 4, 25, True),
+    "20-30x4-nohist": (20, 30, 4, 26, False),
+}
+LABELS = {
+    "20-30x4": "unseen tables, 4 devices",
+    "20-30x2": "2 devices",
+    "20-30x8": "8 devices",
+    "8-12x4": "8-12 tables",
+    "40-48x4": "40-48 tables",
+    "20-30x4-nohist": "no histograms",
+}
+BATCHES = (8192, 16384)
+#: the aims of issue 18 ("Done when"): algorithm -> the mean ratio to the best heuristic it
+#: should not exceed in every setting
+AIMS = {"dreamshard": 1.0, "autoshard": 0.92, "portfolio": 0.9}
+#: the portfolio's mean gap to its balance reference, at most (%)
+PORTFOLIO_GAP_PCT = 5.0
+
+
+def make_tasks(args: argparse.Namespace) -> None:
+    from embshard.data.split import TableSplit, check_unseen, seen_by_checkpoint
+    from embshard.data.synthetic import generate_synthetic
+    from embshard.data.tasks import neuroshard_tasks, write_tasks
+    from embshard.errors import InputError
+
+    dataset = Path(args.dataset)
+    if not dataset.is_file():
+        if not dataset.name.startswith("synthetic_"):
+            sys.exit(f"error: {dataset}: no such pool file")
+        print(f"generating {dataset} ...", flush=True)
+        generate_synthetic(dataset, num_tables=args.pool_tables, batch_size=4096, seed=args.pool_seed)
+    try:
+        split = TableSplit.of_pool(dataset, args.validation_fraction, args.test_fraction, args.seed)
+        test = split.entries(dataset, "test")
+    except InputError as e:
+        sys.exit(f"error: {str(e).splitlines()[0]}")
+    try:
+        seen = [seen_by_checkpoint(c) for c in args.checkpoints]
+    except InputError as e:
+        sys.exit(f"error: {e}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    split.save(out / "split.json")
+    for name, (lo, hi, devices, offset, histograms) in SETTINGS.items():
+        if hi > len(test):
+            sys.exit(f"error: setting {name} needs {hi} tables; the split has {len(test)} test tables "
+                     "(a bigger pool: --pool-tables)")
+        tasks = []
+        for i in range(args.num_tasks):  # batch 8192 and 16384 in turn
+            try:
+                (task,) = neuroshard_tasks(test, 1, min_tables=lo, max_tables=hi, dims=[4, 8, 16, 32, 64, 128],
+                                           max_total_bytes=args.max_total_bytes, num_devices=devices,
+                                           batch_size=BATCHES[i % len(BATCHES)],
+                                           seed=args.seed * 1000 + offset * 100 + i, name_prefix=f"pe-{name}-{i:04d}")
+            except InputError as e:
+                sys.exit(f"error: setting {name}: {str(e).splitlines()[0]}")
+            tasks.append(replace(task, name=f"pe-{name}-{i:04d}"))
+        if not histograms:  # what a user brings: rows, dim, pooling factor (the evaluator draws
+            # indices from the calibrated synthetic law)
+            tasks = [replace(t, tables=tuple(replace(tb, reuse_histogram=None, trace=None) for tb in t.tables))
+                     for t in tasks]
+        try:
+            check_unseen(tasks, seen, pool=str(dataset))
+        except InputError as e:
+            sys.exit(f"error: {e}")
+        for stale in (out / name).glob("pe-*.json"):  # a previous run's tasks (another --num-tasks)
+            stale.unlink()
+        write_tasks(tasks, out / name)
+        print(f"{name}: {len(tasks)} tasks of {min(len(t.tables) for t in tasks)}-{max(len(t.tables) for t in tasks)} "
+              f"test tables on {devices} devices, batch {'/'.join(map(str, BATCHES))} -> {out / name}")
+    print(f"split: {len(split.tables['train'])} train / {len(split.tables['validation'])} validation / "
+          f"{len(split.tables['test'])} test tables of {dataset} -> {out / 'split.json'}")
+
+
+def summarize(args: argparse.Namespace) -> None:
+    from embshard.io import write_json_atomic, write_text_atomic
+    from embshard.report import summarize_results
+
+    runs = Path(args.runs)
+    summary = {}
+    for name in list(SETTINGS) + sorted(p.name for p in runs.iterdir() if p.is_dir() and p.name not in SETTINGS):
+        f = runs / name / "report.json"
+        if f.is_file():
+            summary[name] = summarize_results(json.loads(f.read_text()))
+    if not summary:
+        sys.exit(f"error: no <setting>/report.json under {runs}")
+    text = markdown(summary) + "\n" + aims(summary)
+    out = Path(args.out)
+    write_json_atomic(out / "summary.json", summary)
+    write_text_atomic(out / "summary.md", text)
+    print(text)
+    print(f"wrote {out / 'summary.json'}, {out / 'summary.md'}")
+
+
+def markdown(summary: dict) -> str:
+    settings = list(summary)
+    algorithms = list(dict.fromkeys(a for s in settings for a in summary[s]))
+    lines = ["Mean measured plan cost (ms); in brackets the ratio to the best of the six heuristics per task: mean "
+             "[bootstrap 95% interval over tasks] verdict, tasks worse beyond their own interval; then the mean gap "
+             "to the balance reference.", "",
+             "| algorithm | " + " | ".join(f"{LABELS.get(s, s)} ({s})" for s in settings) + " |",
+             "|---" * (len(settings) + 1) + "|"]
+    for a in algorithms:
+        cells = []
+        for s in settings:
+            m = summary[s].get(a)
+            if not m or not m.get("tasks"):
+                cells.append("-")
+                continue
+            ci = m.get("ratio_ci")
+            ratio = f"{m['mean_ratio']:.3f}" + (f" [{ci['low']:.3f}, {ci['high']:.3f}] {ci['verdict']}" if ci else "")
+            gap = f"; gap {m['mean_gap_pct']:+.1f}%" if m.get("mean_gap_pct") is not None else ""
+            cells.append(f"{m['mean_cost_ms']:.1f} ({ratio}, {m['worse_beyond_interval']}/{m['tasks']} worse{gap})"
+                         + (f" {m['invalid']} invalid" if m["invalid"] else ""))
+        lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    lines += ["", "| mean search seconds | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+    for a in algorithms:
+        lines.append(f"| {a} | " + " | ".join(
+            f"{summary[s][a]['mean_search_seconds']:.2f}" if summary[s].get(a, {}).get("tasks") else "-"
+            for s in settings) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def verdict_against(m: dict, aim: float) -> str:
+    """met / NOT met / not resolved: where the bootstrap interval of the mean ratio lies
+    against `aim` (one task, no interval: by the mean)."""
+    ci = m.get("ratio_ci")
+    if ci is None:
+        return "met (one task, no interval)" if m["mean_ratio"] <= aim else "NOT met (one task, no interval)"
+    if ci["high"] <= aim:
+        return "met"
+    if ci["low"] > aim:
+        return "NOT met"
+    return "not resolved"
+
+
+def aims(summary: dict) -> str:
+    lines = ["Aims of issue 18 (per setting; the bootstrap interval of the mean ratio to the best heuristic against "
+             "the aim):", ""]
+    for a, aim in AIMS.items():
+        cells = []
+        for s, rows in summary.items():
+            m = rows.get(a)
+            cells.append(f"{s}: {verdict_against(m, aim) if m and m.get('tasks') else 'no data'}")
+        lines.append(f"- {a} <= {aim:g}x: " + "; ".join(cells))
+    cells = []
+    for s, rows in summary.items():
+        m = rows.get("portfolio")
+        if not m or not m.get("tasks"):
+            cells.append(f"{s}: no data")
+            continue
+        ci = m.get("ratio_ci")
+        never_worse = m["worse_beyond_interval"] == 0 and (ci is None or ci["verdict"] != "worse")
+        gap = m.get("mean_gap_pct")
+        cells.append(f"{s}: {'never worse' if never_worse else 'WORSE on ' + str(m['worse_beyond_interval']) + ' task(s)'}"
+                     f", gap {'-' if gap is None else f'{gap:+.1f}%'} "
+                     f"({'met' if gap is not None and gap <= PORTFOLIO_GAP_PCT else 'NOT met'})")
+    lines.append(f"- portfolio never worse than the best heuristic beyond the interval, mean gap to balance <= "
+                 f"{PORTFOLIO_GAP_PCT:g}%: " + "; ".join(cells))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tasks", help="write the test tasks, one folder per setting")
+    t.add_argument("--dataset", default=str(ROOT / "data" / "synthetic_t512_bs4096_s2.pt"),
+                   help="the pool (a synthetic file of this name is generated when missing)")
+    t.add_argument("--pool-tables", type=int, default=512, help="tables of a generated pool")
+    t.add_argument("--pool-seed", type=int, default=2, help="seed of a generated pool")
+    t.add_argument("--checkpoints", nargs="*", default=CHECKPOINTS,
+                   help="checkpoints whose train and validation tables no task may hold")
+    t.add_argument("--out", default=str(ROOT / "experiments" / "portfolio_eval" / "tasks"))
+    t.add_argument("--num-tasks", type=int, default=24)
+    t.add_argument("--validation-fraction", type=float, default=0.25)
+    t.add_argument("--test-fraction", type=float, default=0.25)
+    t.add_argument("--seed", type=int, default=0, help="the split's seed")
+    t.add_argument("--max-total-bytes", type=int, default=1 << 30)
+    s = sub.add_parser("summarize", help="summarise shard.py reports, one <setting>/report.json each")
+    s.add_argument("runs")
+    s.add_argument("--out", default=str(ROOT / "experiments" / "portfolio_eval"))
+    args = ap.parse_args()
+    {"tasks": make_tasks, "summarize": summarize}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Memory packing for planners that place pieces one at a time: keep the pieces still to be
+placed packable, in O(1) per placement while a carried proof stays valid.
+
+`LookAhead` carries a proof: an assignment of every pending piece to a device that fits in
+the devices' free memory (first-fit decreasing, or worst-fit decreasing: each piece on the
+device with the most room left, which spreads the pending pieces and leaves slack on every
+device). Placing a piece on a device whose slack under that assignment has room keeps the
+proof valid in O(1); otherwise the pending pieces are repacked from scratch.
+
+Two callers, two rules:
+* the greedy partitioner (`choose`): the first preferred device that keeps the rest packable;
+  the proof is repacked for the most preferred device, then the others are tried by slack,
+  then by repacking (`embshard.search.greedy`);
+* `embshard.plan.MemoryLedger` (`forget`, `packs_after`, `took`): every heuristic's and RL
+  policy's placements; a device is accepted when the proof's slack has room or first-fit
+  decreasing from scratch packs the rest.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable, Sequence
+
+import numpy as np
+
+FITS = ("first", "worst")
+
+
+class LookAhead:
+    """A proof that the pending pieces pack (module docstring).
+
+    Args:
+        free: free bytes per device before the first placement.
+        needs: bytes of every piece (pieces are named by their index here).
+        fit: how the proof packs: "first" (first-fit decreasing) or "worst" (worst-fit
+            decreasing).
+    """
+
+    def __init__(self, free: np.ndarray, needs: Sequence[int], fit: str = "first"):
+        if fit not in FITS:
+            raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
+        self.fit = fit
+        self.needs = np.asarray(needs, dtype=np.int64)
+        self._needs_list = [int(x) for x in needs]
+        self._desc = np.argsort(-self.needs, kind="stable")
+        self.pending = np.ones(len(self.needs), dtype=bool)
+        self.num_pending = len(self.needs)
+        self.assign = np.full(len(self.needs), -1, dtype=np.int64)
+        self.slack = np.asarray(free, dtype=np.int64).copy()
+        self.valid = self._repack(np.asarray(free, dtype=np.int64))
+        self.repacks = 0
+
+    # ------------------------------------------------------------------ packing
+    def _pack(self, free: np.ndarray, fit: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(assignment, slack) of the pending pieces in decreasing size into `free`; None when
+        one does not fit."""
+        assign = self.assign.copy()
+        todo = self._desc[self.pending[self._desc]].tolist()
+        worst = fit == "worst"
+        if len(free) <= 32:  # a plain scan beats numpy on a few devices
+            fl = [int(x) for x in free]
+            needs = self._needs_list
+            for k in todo:
+                need = needs[k]
+                if worst:
+                    j = max(range(len(fl)), key=fl.__getitem__)
+                    if fl[j] < need:
+                        return None
+                    fl[j] -= need
+                    assign[k] = j
+                    continue
+                for j, room in enumerate(fl):
+                    if room >= need:
+                        fl[j] = room - need
+                        assign[k] = j
+                        break
+                else:
+                    return None
+            return assign, np.array(fl, dtype=np.int64)
+        if worst:  # a heap of (-room, device): the device with the most room (lowest index among equals)
+            heap = [(-int(x), j) for j, x in enumerate(free)]
+            heapq.heapify(heap)
+            needs = self._needs_list
+            for k in todo:
+                room, j = heap[0]
+                if -room < needs[k]:
+                    return None
+                heapq.heapreplace(heap, (room + needs[k], j))
+                assign[k] = j
+            f = np.zeros(len(free), dtype=np.int64)
+            for room, j in heap:
+                f[j] = -room
+            return assign, f
+        f = np.asarray(free, dtype=np.int64).copy()
+        for k in todo:
+            need = self.needs[k]
+            j = int(np.argmax(f >= need))
+            if f[j] < need:
+                return None
+            f[j] -= need
+            assign[k] = j
+        return assign, f
+
+    def _repack(self, free: np.ndarray) -> bool:
+        """Pack the pending pieces into `free` by the proof's fit; adopt it when it fits."""
+        got = self._pack(free, self.fit)
+        if got is None:
+            return False
+        self.assign, self.slack = got
+        return True
+
+    def forget(self, i: int) -> None:
+        """Piece `i` is being placed: it is no longer pending (its slot in the proof is free)."""
+        if not self.pending[i]:
+            return
+        self.pending[i] = False
+        self.num_pending -= 1
+        if self.valid:
+            self.slack[self.assign[i]] += self.needs[i]
+
+    # ------------------------------------------------------------------ the greedy's rule
+    def choose(self, i: int, free: np.ndarray, preference: Sequence[int],
+               more: Callable[[], Sequence[int]] | None = None) -> int:
+        """The device for piece `i`: the first of `preference` and then of `more()` (asked
+        for only when the preference does not do) that keeps the rest packable; updates the
+        proof. Every device offered must have room for the piece. The caller then takes the
+        memory."""
+        need = int(self.needs[i])
+        room = list(preference)
+        if not room or free[room[0]] < need:
+            raise ValueError("choose() needs preferred devices with room")
+        pending_more = more
+
+        def all_room() -> list[int]:
+            nonlocal pending_more
+            if pending_more is not None:
+                room.extend(pending_more())
+                pending_more = None
+            return room
+
+        was_valid = self.valid
+        self.forget(i)
+        if was_valid:
+            first = room[0]
+            if self.slack[first] >= need:
+                self.slack[first] -= need
+                return first
+            self.repacks += 1
+            if self._repack_after(free, first, need):
+                return first
+            for d in room[1:]:
+                if self.slack[d] >= need:
+                    self.slack[d] -= need
+                    return d
+            known = len(room)
+            for d in all_room()[known:]:
+                if self.slack[d] >= need:
+                    self.slack[d] -= need
+                    return d
+            rest = room[1:]
+        else:
+            rest = all_room()
+        for d in rest:
+            self.repacks += 1
+            if self._repack_after(free, d, need):
+                self.valid = True
+                return d
+        self.valid = False
+        return room[0]
+
+    def _repack_after(self, free: np.ndarray, device: int, need: int) -> bool:
+        f = free.copy()
+        f[device] -= need
+        return self._repack(f)
+
+    # ------------------------------------------------------------------ the ledger's rule
+    def packs_after(self, free: Sequence[int], device: int, need: int) -> bool:
+        """Whether the pending pieces still pack once `need` more bytes are used on `device`
+        (the piece placed already forgotten): by the proof's slack, else by first-fit
+        decreasing from scratch. Changes nothing."""
+        if self.num_pending == 0 or (self.valid and self.slack[device] >= need):
+            return True
+        f = np.array(free, dtype=np.int64)
+        f[device] -= need
+        return self._pack(f, "first") is not None
+
+    def took(self, free_after: Sequence[int], device: int, need: int) -> None:
+        """`need` bytes were taken on `device` (`free_after`: free bytes now): keep the proof,
+        or repack it on the memory as it is now."""
+        if self.valid and self.slack[device] >= need:
+            self.slack[device] -= need
+            return
+        self.repacks += 1
+        f = np.array(free_after, dtype=np.int64)
+        got = self._pack(f, self.fit) or (self._pack(f, "first") if self.fit != "first" else None)
+        self.valid = got is not None
+        if got is not None:
+            self.assign, self.slack = got

@@ -1,0 +1,174 @@
+"""The measured guard: a planner's candidate plans against the heuristics' plans, on the
+hardware, and the candidate kept only where it is shown better.
+
+Any planner with candidates and a hardware evaluator uses it (NeuroShard's best plans, the
+portfolio's best-ranked members). Round 1 measures every distinct candidate and every
+heuristic's plan, interleaved, and names the candidates' measured best (S) and the best
+heuristic (H). Later rounds measure S and H only, paired and interleaved, until the bootstrap
+95% interval of the mean per-round ratio S/H excludes 1 (at least `min_rounds` rounds), the
+rounds reach `max_rounds`, or the paired rounds pass `budget_s`. S is returned when the
+interval lies below 1; otherwise (worse, or not resolved) H's plan is: the guard never trades
+a known plan for a coin toss. `GuardResult` is what report.json's `guard` holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+from embshard.costs.base import DeviceCosts
+from embshard.errors import EmbshardError, InputError
+from embshard.plan import Plan, validate
+from embshard.search.base import Sharder
+from embshard.task import Task
+
+log = logging.getLogger(__name__)
+
+#: every heuristic an evaluation's "best heuristic" is taken from (conf/search names)
+DEFAULT_HEURISTICS: tuple[str, ...] = ("size_lookup_greedy", "lookup_greedy", "dim_greedy", "size_greedy",
+                                       "round_robin", "random")
+
+
+class PlanMeasurer(Protocol):
+    """What the guard measures on (`embshard.hardware.evaluator.HardwareEvaluator`)."""
+
+    def measure_many(self, task: Task, plans: Sequence[Plan], visits: int | None = None) -> list[DeviceCosts]: ...
+
+
+def heuristic_sharders() -> dict[str, Callable[[], Sharder]]:
+    """The heuristics the guard can measure against, by their conf/search names: every greedy
+    baseline, round-robin and random (seed 0, as `search=random`)."""
+    from embshard.search.baselines import COST_KEYS, GreedySharder, RandomSharder, RoundRobinSharder
+
+    out: dict[str, Callable[[], Sharder]] = {f"{k}_greedy": (lambda k=k: GreedySharder(k)) for k in COST_KEYS}
+    out["round_robin"] = RoundRobinSharder
+    out["random"] = lambda: RandomSharder(seed=0)
+    return out
+
+
+@dataclass
+class GuardResult:
+    """What the measured guard did for one task (report.json: `guard`)."""
+
+    candidates: list[dict[str, Any]]   # label, source, predicted_ms, measured_ms, spread_ms (round 1)
+    chosen: str
+    search_pick: str
+    measure_seconds: float
+    #: the rule's outcome: verdict ("better" | "worse" | "not resolved" | "same plan" | "no
+    #: heuristic plan"), the plan kept, and the ratio's bootstrap interval over rounds
+    decision: dict[str, Any] = field(default_factory=dict)
+    #: measured plan cost (ms) per round, by label
+    rounds: list[dict[str, float]] = field(default_factory=list)
+    changed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.changed = self.chosen != self.search_pick
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"candidates": self.candidates, "chosen": self.chosen, "search_pick": self.search_pick,
+                "changed": self.changed, "measure_seconds": self.measure_seconds, "decision": self.decision,
+                "rounds": self.rounds}
+
+
+@dataclass
+class MeasuredGuard:
+    """The guard's settings and its rule (module docstring).
+
+    Args:
+        heuristics: baselines (conf/search names) whose plans the guard measures too.
+        visits: interleaved visits per measuring round (None: the evaluator's protocol's).
+        budget_s: seconds of paired rounds after round 1, at most (a round begun finishes).
+        min_rounds, max_rounds: rounds before a decision / at most.
+        owner: the planner's name, for error messages.
+    """
+
+    heuristics: Sequence[str] = DEFAULT_HEURISTICS
+    visits: int | None = None
+    budget_s: float = 60.0
+    min_rounds: int = 3
+    max_rounds: int = 10
+    owner: str = "guard"
+
+    def __post_init__(self) -> None:
+        self.heuristics = tuple(self.heuristics)
+        self._keys = heuristic_sharders()
+        unknown = [h for h in self.heuristics if h not in self._keys]
+        if unknown:
+            raise InputError(f"{self.owner}: unknown verify_heuristics {unknown}; choose from {sorted(self._keys)}")
+        if self.visits is not None and int(self.visits) < 1:
+            raise InputError(f"{self.owner}: verify_visits must be >= 1 or null, got {self.visits!r}")
+        if not float(self.budget_s) >= 0:
+            raise InputError(f"{self.owner}: verify_budget_s must be >= 0, got {self.budget_s!r}")
+        if not 2 <= int(self.min_rounds) <= int(self.max_rounds):
+            raise InputError(f"{self.owner}: need 2 <= verify_min_rounds <= verify_max_rounds, got "
+                             f"{self.min_rounds!r}, {self.max_rounds!r}")
+        self.visits = None if self.visits is None else int(self.visits)
+        self.budget_s = float(self.budget_s)
+        self.min_rounds = int(self.min_rounds)
+        self.max_rounds = int(self.max_rounds)
+
+    def run(self, task: Task, candidates: Sequence[tuple[str, Plan]], evaluator: PlanMeasurer,
+            predicted_ms: Callable[[Plan], float | None], name: str) -> tuple[Plan, GuardResult]:
+        """Measure `candidates` (label, plan; the planner's own order, its pick first) and the
+        heuristics' plans; returns the plan kept (named `name`) and what was done."""
+        from embshard.stats import paired_ratio_summary
+
+        labelled: list[tuple[str, str, Plan]] = [(label, "search", p) for label, p in candidates]
+        for h in self.heuristics:
+            try:
+                hp = self._keys[h]().shard(task)
+                validate(task, hp)
+            except EmbshardError as e:
+                log.debug("%s guard: %s has no valid plan for %s (%s)", self.owner, h, task.name, e)
+                continue
+            labelled.append((h, "heuristic", hp))
+        unique: dict[tuple, int] = {}
+        for i, (_, _, p) in enumerate(labelled):
+            unique.setdefault(p.signature(), i)
+        first = sorted(set(unique.values()))
+        t0 = time.perf_counter()
+        costs = evaluator.measure_many(task, [labelled[i][2] for i in first], visits=self.visits)
+        deadline = time.perf_counter() + self.budget_s  # for the paired rounds, after round 1
+        measured = {i: c for i, c in zip(first, costs)}
+        rows = []
+        for i, (label, source, p) in enumerate(labelled):
+            c = measured[unique[p.signature()]]
+            rows.append({"label": label, "source": source, "same_as": labelled[unique[p.signature()]][0],
+                         "predicted_ms": predicted_ms(p), "measured_ms": c.plan_cost_ms,
+                         "spread_ms": c.plan_cost_spread_ms})
+        search_ids = [i for i, (_, src, _) in enumerate(labelled) if src == "search"]
+        heur_ids = [i for i, (_, src, _) in enumerate(labelled) if src == "heuristic"]
+        s = min(search_ids, key=lambda i: (rows[i]["measured_ms"], i))
+        rounds = [{labelled[i][0]: rows[i]["measured_ms"] for i in first}]
+        decision: dict[str, Any]
+        if not heur_ids:
+            best, decision = s, {"verdict": "no heuristic plan", "kept": labelled[s][0]}
+        else:
+            h = min(heur_ids, key=lambda i: (rows[i]["measured_ms"], i))
+            if labelled[s][2].signature() == labelled[h][2].signature():
+                best, decision = s, {"verdict": "same plan", "kept": labelled[s][0], "heuristic": labelled[h][0]}
+            else:
+                ratios = [rows[s]["measured_ms"] / rows[h]["measured_ms"]]
+                summary = None
+                while len(ratios) < self.max_rounds and time.perf_counter() < deadline:
+                    cs, ch = evaluator.measure_many(task, [labelled[s][2], labelled[h][2]], visits=self.visits)
+                    ratios.append(cs.plan_cost_ms / ch.plan_cost_ms)
+                    rounds.append({labelled[s][0]: cs.plan_cost_ms, labelled[h][0]: ch.plan_cost_ms})
+                    summary = paired_ratio_summary(ratios)
+                    if len(ratios) >= self.min_rounds and summary.resolved:
+                        break
+                if summary is None:
+                    summary = paired_ratio_summary(ratios)
+                if len(ratios) < self.min_rounds:  # out of time before a decision could be made
+                    verdict = "not resolved"
+                else:
+                    verdict = summary.verdict
+                best = s if verdict == "better" else h
+                decision = {"verdict": verdict, "kept": labelled[best][0], "search": labelled[s][0],
+                            "heuristic": labelled[h][0], "ratio": summary.to_dict(), "rounds": len(ratios),
+                            "budget_s": self.budget_s}
+        seconds = time.perf_counter() - t0
+        result = GuardResult(rows, labelled[best][0], labelled[0][0], round(seconds, 3), decision, rounds)
+        return Plan(task.name, name, list(labelled[best][2].shards)), result

@@ -1,0 +1,206 @@
+"""The portfolio (`search=portfolio`): every learned planner and every heuristic plans the
+task, the cost models rank their plans, and with hardware attached the measured guard decides.
+
+1. Every member runs (NeuroShard, DreamShard, AutoShard and the six heuristics by default;
+   each in seconds, none of them measuring: a member's own guard stays off). A member that
+   refuses the task or finds no plan is recorded with its reason; the others go on.
+2. The distinct plans are ranked by the cost models (`ranker`: the neural checkpoint's
+   `device_costs`, whose all-to-alls fall back to the analytic model where the comm models
+   cannot be trusted; None: the analytic model). Without hardware the cheapest is returned.
+3. With an evaluator attached (`shard.py evaluate=measured`; `verify="auto"`: the 3 best),
+   the `verify` best-ranked plans go to the measured guard (`embshard.search.guard`) with the
+   heuristics' plans: the best-measured of them is kept only where its paired bootstrap
+   interval against the best heuristic's plan lies below 1, else that heuristic's plan is.
+
+`last_search_info["portfolio"]` (report.json: `search_info.portfolio`) names every member's
+result and predicted cost, the member whose plan the ranking picked (`pick`), the member whose
+plan was returned (`won`) and the guard's interval (`interval`, with its verdict); `guard` is
+the guard's own record, and `portfolio_pick` the ranking's pick measured beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+from embshard.compare import refusal
+from embshard.costs.base import CostModel
+from embshard.costs.predictor import DEFAULT_CHECKPOINT, load_models
+from embshard.errors import EmbshardError, InfeasibleError, InputError
+from embshard.plan import Plan, validate
+from embshard.search.base import Capabilities, Sharder
+from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, MeasuredGuard, heuristic_sharders
+from embshard.task import Task
+
+log = logging.getLogger(__name__)
+
+#: the learned members, by their conf/search names
+LEARNED = ("neuroshard", "dreamshard", "autoshard")
+
+
+def default_members() -> dict[str, Sharder]:
+    """NeuroShard (its guard off), DreamShard and AutoShard (shipped checkpoints, their
+    conf/search defaults) and the six heuristics."""
+    from embshard.search.neuroshard import NeuroShardSharder
+    from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
+
+    out: dict[str, Sharder] = {
+        "neuroshard": NeuroShardSharder(verify=0),
+        "dreamshard": DreamShardSharder("checkpoints/dreamshard_cpu/policy.pt", samples=8),
+        "autoshard": AutoShardSharder("checkpoints/autoshard_cpu/policy.pt", samples=8),
+    }
+    out.update({name: make() for name, make in heuristic_sharders().items()})
+    return out
+
+
+class PortfolioSharder:
+    """The portfolio planner (module docstring).
+
+    Args:
+        members: the planners, by name (None: `default_members()`). shard.py passes the
+            `searchers` entries of conf/search/portfolio.yaml, so a member follows the same
+            overrides as when it runs alone (`searchers.neuroshard.checkpoint=...`).
+        ranker: the cost models that rank the members' plans: a neural checkpoint (relative
+            paths from the project root; default: the shipped one), or None for the analytic
+            model.
+        verify: with an evaluator attached, measure this many of the best-ranked plans with
+            the guard; "auto": 3 when an evaluator is attached, else 0.
+        verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
+            verify_max_rounds: the guard's settings (`MeasuredGuard`).
+        name: the algorithm name of the plans.
+    """
+
+    #: ranks pooled-table planners' plans with pooled-kernel cost models; its members split tables
+    capabilities = Capabilities(("pooled",), splits_tables=True)
+
+    def __init__(
+        self,
+        members: Mapping[str, Sharder] | None = None,
+        ranker: str | os.PathLike | None = DEFAULT_CHECKPOINT,
+        verify: int | str = "auto",
+        verify_heuristics: Sequence[str] = DEFAULT_HEURISTICS,
+        verify_visits: int | None = None,
+        verify_budget_s: float = 60.0,
+        verify_min_rounds: int = 3,
+        verify_max_rounds: int = 10,
+        name: str = "portfolio",
+    ):
+        if verify != "auto" and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
+            raise InputError(f"{name}: verify must be 'auto' or an integer >= 0, got {verify!r}")
+        self.members: dict[str, Sharder] = dict(members) if members is not None else default_members()
+        if not self.members:
+            raise InputError(f"{name}: members must name at least one planner")
+        for member, sharder in self.members.items():
+            if not isinstance(sharder, Sharder):
+                raise InputError(f"{name}: member {member!r} is not a planner (a Sharder), got {type(sharder).__name__}")
+        self.ranker = None if ranker in (None, "") else str(ranker)
+        self.verify = verify
+        self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
+                                   verify_max_rounds, owner=name)
+        self.name = name
+        self.evaluator: Any = None
+        self._ranker: tuple[CostModel, dict[str, Any]] | None = None
+        self.last_search_seconds: float | None = None
+        self.last_predicted_cost_ms: float | None = None
+        self.last_guard: GuardResult | None = None
+        self.last_search_pick: Plan | None = None
+        self.last_search_info: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ GuardedSharder
+    def attach_evaluator(self, evaluator: Any) -> None:
+        """The hardware the guard measures on (`HardwareEvaluator`); None detaches it. The
+        members never measure."""
+        self.evaluator = evaluator
+
+    @property
+    def verify_count(self) -> int:
+        if self.verify == "auto":
+            return 3 if self.evaluator is not None else 0
+        return int(self.verify)
+
+    def ranking_model(self) -> tuple[CostModel, dict[str, Any]]:
+        """(the cost model that ranks, what report.json says about it), loaded once."""
+        if self._ranker is None:
+            if self.ranker is None:
+                from embshard.costs.analytic import AnalyticCostModel
+
+                self._ranker = (AnalyticCostModel(), {"cost_model": "analytic", "checkpoint": None})
+            else:
+                models = load_models(self.ranker, self.name)
+                self._ranker = (models.neural, models.info)
+        return self._ranker
+
+    # ------------------------------------------------------------------ Sharder
+    def shard(self, task: Task) -> Plan:
+        start = time.perf_counter()
+        ranker, ranker_info = self.ranking_model()
+        members: list[dict[str, Any]] = []
+        plans: list[tuple[str, Plan, float]] = []  # (member, plan, predicted ms), distinct plans
+        seen: dict[tuple, str] = {}
+        errors: list[EmbshardError] = []
+        for member, sharder in self.members.items():
+            row: dict[str, Any] = {"member": member}
+            why = refusal(member, sharder.capabilities, task)
+            if why is not None:
+                members.append(row | {"valid": False, "error": f"refused: {why}"})
+                continue
+            t0 = time.perf_counter()
+            try:
+                plan = sharder.shard(task)
+                validate(task, plan)
+            except EmbshardError as e:
+                errors.append(e)
+                members.append(row | {"valid": False, "error": str(e).splitlines()[0] if str(e) else type(e).__name__,
+                                      "search_seconds": round(time.perf_counter() - t0, 4)})
+                log.info("%s: member %s has no plan for %s: %s", self.name, member, task.name, e)
+                continue
+            row |= {"valid": True, "search_seconds": round(time.perf_counter() - t0, 4)}
+            sig = plan.signature()
+            if sig in seen:  # the same plan as an earlier member's: ranked once
+                members.append(row | {"same_as": seen[sig]})
+                continue
+            seen[sig] = member
+            predicted = ranker.device_costs(task, plan).plan_cost_ms
+            members.append(row | {"predicted_ms": predicted})
+            plans.append((member, plan, predicted))
+        if not plans:
+            infeasible = [e for e in errors if isinstance(e, InfeasibleError)]
+            if infeasible:
+                raise infeasible[0]
+            raise InputError(f"{self.name}: no member planned task {task.name!r}: "
+                             + "; ".join(f"{m['member']}: {m['error']}" for m in members))
+        ranked = sorted(plans, key=lambda x: (x[2], [m for m in self.members].index(x[0])))
+        pick_member, pick, predicted = ranked[0]
+        self.last_search_pick = Plan(task.name, self.name, list(pick.shards))
+        self.last_guard = None
+        won, chosen, interval = pick_member, self.last_search_pick, None
+        k = self.verify_count
+        if k > 0:
+            if self.evaluator is None:
+                raise InputError(f"{self.name}: verify > 0 needs a hardware evaluator (shard.py evaluate=measured "
+                                 f"attaches one; or set searchers.{self.name}.verify=0)")
+            by_label = {m: p for m, p, _ in plans}
+            chosen, self.last_guard = self.guard.run(
+                task, [(m, p) for m, p, _ in ranked[:k]], self.evaluator,
+                lambda p: ranker.device_costs(task, p).plan_cost_ms, self.name)
+            won = self.last_guard.chosen
+            interval = self.last_guard.decision.get("ratio")
+            if won in by_label:
+                predicted = next(x for m, _, x in plans if m == won)
+            else:  # a guard heuristic's plan: the ranker's estimate of it
+                predicted = ranker.device_costs(task, chosen).plan_cost_ms
+        self.last_search_seconds = time.perf_counter() - start
+        self.last_predicted_cost_ms = predicted
+        # cost_model / checkpoint: the models the plans were ranked by (as a search's: shard.py's
+        # caption says when the same models judge the estimates)
+        self.last_search_info = {**ranker_info, "portfolio": {
+            "members": members,
+            "ranking": [m for m, _, _ in ranked],
+            "pick": pick_member,
+            "won": won,
+            "verdict": self.last_guard.decision.get("verdict") if self.last_guard else None,
+            "interval": interval,
+        }}
+        return Plan(task.name, self.name, list(chosen.shards))

@@ -1,0 +1,183 @@
+"""The portfolio planner (issue 18, item 3): every member plans, the cost models rank, the
+measured guard decides; and the headroom beside the ratio in the evaluation tables (item 5)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from embshard import InfeasibleError, Plan, Shard, Table, Task, validate
+from embshard.costs.analytic import AnalyticCostModel
+from embshard.costs.base import DeviceCosts
+from embshard.search.base import Capabilities, GuardedSharder
+from embshard.search.baselines import GreedySharder, RoundRobinSharder
+from embshard.search.neuroshard import NeuroShardSharder
+from embshard.search.portfolio import PortfolioSharder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_task(devices: int = 2, n: int = 6) -> Task:
+    tables = tuple(Table(f"t{i}", 1000 * (i + 1), 4 * (1 + i % 4), 1.0 + 2 * i) for i in range(n))
+    return Task("tiny", devices, 64 * 2**20, 256, tables)
+
+
+class Fixed:
+    """A planner that returns one given plan (a stand-in for a learned member)."""
+
+    capabilities = Capabilities(("pooled",), splits_tables=False)
+
+    def __init__(self, name: str, devices: list[int]):
+        self.name, self.devices = name, devices
+
+    def shard(self, task: Task) -> Plan:
+        return Plan(task.name, self.name, [Shard.whole(t, d) for t, d in zip(task.tables, self.devices)])
+
+
+class Nowhere:
+    capabilities = Capabilities(("pooled",), splits_tables=False)
+    name = "nowhere"
+
+    def shard(self, task: Task) -> Plan:
+        raise InfeasibleError("table 't0' needs 9 bytes but the most free memory on any device is 1 bytes (device 0): "
+                              "short by 8 bytes", table="t0", shortfall_bytes=8)
+
+
+class Scripted:
+    """Measured costs by plan (keyed by the member label the guard gives it)."""
+
+    def __init__(self, costs: dict[str, float]):
+        self.costs = costs
+        self.calls: list[list[str]] = []
+
+    def measure_many(self, task, plans, visits=None):
+        self.calls.append([p.algorithm for p in plans])
+        # a little paired noise so the bootstrap interval has a width
+        jitter = 1.0 + 0.002 * (len(self.calls) % 3)
+        return [DeviceCosts([self.costs[p.algorithm] * jitter], [0.0], [0.0]) for p in plans]
+
+
+def test_without_hardware_the_cost_models_pick_and_report_names_every_member():
+    task = tiny_task()
+    members = {"lopsided": Fixed("lopsided", [0] * 6), "nowhere": Nowhere(), "size_greedy": GreedySharder("size"),
+               "round_robin": RoundRobinSharder(), "again": Fixed("again", [0] * 6)}
+    p = PortfolioSharder(members, ranker=None)
+    plan = p.shard(task)
+    validate(task, plan)
+    judge = AnalyticCostModel()
+    costs = {m: judge.device_costs(task, s.shard(task)).plan_cost_ms for m, s in members.items() if m != "nowhere"}
+    assert judge.device_costs(task, plan).plan_cost_ms == pytest.approx(min(costs.values()))
+    info = p.last_search_info["portfolio"]
+    rows = {m["member"]: m for m in info["members"]}
+    assert rows["nowhere"]["valid"] is False and "short by 8 bytes" in rows["nowhere"]["error"]
+    assert rows["again"]["same_as"] == "lopsided"  # a duplicate plan is ranked once
+    assert info["pick"] == info["won"] == info["ranking"][0] and info["interval"] is None
+    assert p.last_search_info["cost_model"] == "analytic" and p.last_guard is None
+    assert plan.algorithm == "portfolio"
+
+
+def test_no_member_with_a_plan_raises_the_members_infeasibility():
+    with pytest.raises(InfeasibleError):
+        PortfolioSharder({"nowhere": Nowhere()}, ranker=None).shard(tiny_task())
+
+
+@pytest.mark.parametrize("learned_ms, expect", [(8.0, "learned"), (12.0, "size_greedy")])
+def test_guard_returns_the_measured_best_and_names_the_member_and_interval(learned_ms, expect):
+    """Both members' plans are candidates: the learned member's is kept only when measured
+    better than the best heuristic's, beyond the bootstrap interval; otherwise the heuristic's."""
+    task = tiny_task()
+    members = {"learned": Fixed("learned", [0, 1, 0, 1, 1, 0]), "size_greedy": GreedySharder("size")}
+    p = PortfolioSharder(members, ranker=None, verify=2, verify_heuristics=["size_greedy"], verify_min_rounds=3,
+                         verify_max_rounds=6)
+    assert isinstance(p, GuardedSharder)
+    size_plan = GreedySharder("size").shard(task)
+    assert size_plan.signature() != members["learned"].shard(task).signature()
+    p.attach_evaluator(Scripted({"learned": learned_ms, "size_greedy": 10.0}))
+    plan = p.shard(task)
+    info = p.last_search_info["portfolio"]
+    assert info["won"] == expect == p.last_guard.chosen
+    if expect == "learned":
+        assert info["verdict"] == "better" and info["interval"]["high"] < 1.0
+    else:  # the candidates' measured best is the size_greedy member's plan: the heuristic's own
+        assert info["verdict"] == "same plan" and info["interval"] is None
+    want = members["learned"].shard(task) if expect == "learned" else size_plan
+    assert plan.shards == want.shards
+    assert p.last_search_pick is not None
+
+
+def test_members_follow_the_searchers_overrides():
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="shard", overrides=["searchers.neuroshard.checkpoint=null",
+                                                      "searchers.dreamshard.samples=0"])
+        p = instantiate(cfg.searchers.portfolio)
+    assert isinstance(p, PortfolioSharder) and p.name == "portfolio"
+    assert list(p.members) == ["neuroshard", "dreamshard", "autoshard", "size_lookup_greedy", "lookup_greedy",
+                               "dim_greedy", "size_greedy", "round_robin", "random"]
+    assert isinstance(p.members["neuroshard"], NeuroShardSharder) and p.members["neuroshard"].checkpoint is None
+    assert p.members["dreamshard"].samples == 0
+
+
+@pytest.mark.slow
+def test_portfolio_measured_on_real_kernels_returns_its_measured_best():
+    """Every default member plans a tiny task, and the guard measures on FBGEMM's CPU kernel (a
+    kernels-only evaluator, one visit of two steps): the row shard.py writes names the member that
+    won and the interval, and the plan returned is the guard's rule applied to what it measured."""
+    from embshard.compare import plan_task
+    from embshard.hardware.evaluator import HardwareEvaluator
+    from embshard.hardware.protocol import MeasurementProtocol
+
+    task = tiny_task()
+    p = PortfolioSharder(verify=2, verify_heuristics=["size_lookup_greedy", "lookup_greedy"], verify_visits=1,
+                         verify_budget_s=5, verify_min_rounds=2, verify_max_rounds=2)
+    p.attach_evaluator(HardwareEvaluator(comm_backend=None, protocol=MeasurementProtocol(repetitions=2, visits=1,
+                                                                                          probe=False), seed=0))
+    results = {r.algorithm: r for r in plan_task(task, {"portfolio": p})}
+    rows = {name: r.to_dict() for name, r in results.items()}  # what report.json holds per result
+    assert set(rows) == {"portfolio", "portfolio_pick"} and all(r["valid"] for r in rows.values())
+    info, guard = rows["portfolio"]["search_info"]["portfolio"], rows["portfolio"]["guard"]
+    assert {m["member"] for m in info["members"]} >= {"neuroshard", "dreamshard", "autoshard", "size_lookup_greedy"}
+    assert info["won"] == guard["chosen"] and info["pick"] == guard["search_pick"] == info["ranking"][0]
+    cands = guard["candidates"]
+    assert [c["label"] for c in cands if c["source"] == "search"] == info["ranking"][:2]
+    assert all(c["measured_ms"] > 0 for c in cands)
+    s = min((c for c in cands if c["source"] == "search"), key=lambda c: c["measured_ms"])["label"]
+    h = min((c for c in cands if c["source"] == "heuristic"), key=lambda c: c["measured_ms"])["label"]
+    verdict = guard["decision"]["verdict"]
+    assert info["verdict"] == verdict
+    if verdict == "same plan":
+        assert info["won"] == s
+    else:
+        assert info["won"] == (s if verdict == "better" else h)
+        assert info["interval"] == guard["decision"]["ratio"] and info["interval"]["low"] <= info["interval"]["high"]
+    validate(task, results["portfolio"].plan)
+    assert results["portfolio_pick"].plan.signature() == p.last_search_pick.signature()
+
+
+# ----------------------------------------------------------------------------- item 5: headroom beside the ratio
+def _result(task: str, algorithm: str, cost: float, gap: float) -> dict:
+    return {"task": task, "algorithm": algorithm, "valid": True, "measured_cost_ms": cost, "memory_bytes": [1, 1],
+            "measured_spread_ms": 0.0, "headroom": {"measured": {"gap_pct": gap}}, "search_seconds": 0.1}
+
+
+def test_summaries_give_each_methods_gap_beside_its_ratio(tmp_path):
+    report = {"results": [_result("a", "size_greedy", 10.0, 20.0), _result("a", "portfolio", 9.0, 5.0),
+                          _result("b", "size_greedy", 20.0, 30.0), _result("b", "portfolio", 19.0, 7.0)]}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    env = dict(os.environ, WANDB_MODE="offline")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "summarize_improvement.py"), str(path),
+                          "--algorithm", "portfolio"], capture_output=True, text=True, env=env, check=True).stdout
+    assert "gap to balance +5.0% (best heuristic +20.0%)" in out
+    assert "mean gap to balance +6.0% (the best heuristics' +25.0%)" in out
+    table = subprocess.run([sys.executable, str(ROOT / "scripts" / "summarize_improvement.py"), str(path),
+                            "--algorithm", "portfolio", "--by-devices"], capture_output=True, text=True, env=env,
+                           check=True).stdout
+    ratio = (9 / 10 + 19 / 20) / 2
+    assert f"| portfolio | 14.0 ({ratio:.3f}x; +6.0%) |" in table

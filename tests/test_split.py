@@ -1,0 +1,114 @@
+"""Train / validation / test tables (issue 18, item 1): the split, its record in checkpoints,
+and the refusal of a test task that holds a table a planner was trained or tuned on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from embshard.data.split import SeenTables, TableSplit, check_unseen, key_of, seen_by_checkpoint
+from embshard.data.tasks import neuroshard_tasks, split_pool
+from embshard.errors import InputError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory) -> Path:
+    from embshard.data.synthetic import generate_synthetic
+
+    path = tmp_path_factory.mktemp("pool") / "synthetic_t200_bs256_s5.pt"
+    generate_synthetic(path, num_tables=200, batch_size=256, seed=5)
+    return path
+
+
+def test_three_way_split_is_disjoint_complete_and_keeps_the_two_way_train_tables(pool):
+    s = TableSplit.of_pool(pool, 0.25, 0.25, seed=3)
+    names = [set(s.tables[k]) for k in ("train", "validation", "test")]
+    assert sum(len(n) for n in names) == 200 and len(set().union(*names)) == 200
+    assert (len(names[0]), len(names[1]), len(names[2])) == (100, 50, 50)
+    train_two_way, _ = split_pool(pool, 0.5, 3)  # checkpoints of the earlier split keep their train tables
+    assert names[0] == {e["name"] for e in train_two_way}
+    assert TableSplit.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    assert TableSplit.of_pool(pool, 0.25, 0.25, seed=3) == s and TableSplit.of_pool(pool, 0.25, 0.25, seed=4) != s
+    with pytest.raises(InputError):
+        TableSplit.of_pool(pool, 0.5, 0.5)
+
+
+def test_a_test_task_with_a_training_table_is_refused(pool):
+    s = TableSplit.of_pool(pool, 0.25, 0.25, seed=3)
+    test_tasks = neuroshard_tasks(s.entries(pool, "test"), 3, min_tables=5, max_tables=8, num_devices=2, seed=1,
+                                  name_prefix="ok")
+    trained = SeenTables("ckpt.pt", s.seen("test"))
+    check_unseen(test_tasks, [trained])  # only test tables: fine
+    for which in ("train", "validation"):
+        (bad,) = neuroshard_tasks(s.entries(pool, "test")[:6] + s.entries(pool, which)[:1], 1, min_tables=7,
+                                  max_tables=7, num_devices=2, seed=1, name_prefix=f"with-{which}")
+        with pytest.raises(InputError) as e:
+            check_unseen([bad], [trained])
+        msg = str(e.value)
+        assert "\n" not in msg and f"'{bad.name}'" in msg and s.entries(pool, which)[0]["name"] in msg
+        # dropping the histogram or changing the dim does not hide the table
+        user = replace(bad, tables=tuple(replace(t, reuse_histogram=None, trace=None) for t in bad.tables))
+        with pytest.raises(InputError):
+            check_unseen([user], [trained])
+
+
+def test_names_decide_only_within_the_checkpoints_own_pool(pool):
+    s = TableSplit.of_pool(pool, 0.25, 0.25, seed=3)
+    (task,) = neuroshard_tasks(s.entries(pool, "test"), 1, min_tables=5, max_tables=5, num_devices=2, seed=2)
+    names_only = SeenTables("old.pt", set(), pool=f"/elsewhere/{pool.name}", names={task.tables[0].name})
+    with pytest.raises(InputError):
+        check_unseen([task], [names_only], pool=str(pool))
+    other_pool = SeenTables("old.pt", set(), pool="/elsewhere/synthetic_t512_bs4096_s1.pt", names={task.tables[0].name})
+    check_unseen([task], [other_pool], pool=str(pool))  # a t17 of another pool is another table
+
+
+def test_shipped_policies_record_what_they_were_trained_on():
+    for algo in ("dreamshard", "autoshard"):
+        seen = seen_by_checkpoint(ROOT / "checkpoints" / f"{algo}_cpu" / "policy.pt")
+        assert len(seen.names) >= 64
+        if (ROOT / "data" / "synthetic_t128_bs4096_s0.pt").is_file():  # keys from the pool file when it is here
+            assert len(seen.keys) == len(seen.names)
+
+
+def test_rl_stage_trains_on_train_tables_and_validates_on_validation_tables(pool):
+    from embshard.search.rl.stage import training_tasks
+
+    c = {"task_dir": None, "tasks": {"validation_fraction": 0.25, "test_fraction": 0.25, "num_train_tasks": 3,
+                                     "num_val_tasks": 2, "min_tables": 6, "max_tables": 10, "dims": [4, 8, 16],
+                                     "max_total_bytes": None, "num_devices": 2, "device_memory_bytes": None,
+                                     "batch_size": 256, "optimizer": "sgd"}}
+    train, val, split = training_tasks(c, pool, seed=3)
+    s = TableSplit.from_dict(split)
+    assert s == TableSplit.of_pool(pool, 0.25, 0.25, seed=3, pool_name=str(pool))
+    keys = {k: set(v) for k, v in s.keys.items()}
+    assert all(key_of(t) in keys["train"] for task in train for t in task.tables)
+    assert val and all(key_of(t) in keys["validation"] for task in val for t in task.tables)
+
+
+def test_portfolio_eval_refuses_tasks_holding_a_checkpoints_tables(pool, tmp_path):
+    """A checkpoint whose data card says it trained on the split's test tables: the evaluation
+    writes no task and says which table."""
+    s = TableSplit.of_pool(pool, 0.25, 0.25, seed=0)
+    card_split = s.to_dict() | {"train": s.tables["test"], "test": s.tables["train"],
+                                "keys": {"train": s.keys["test"], "validation": s.keys["validation"],
+                                         "test": s.keys["train"]}}
+    ckpt = tmp_path / "policy.pt"
+    torch.save({"format": "embshard-rl-policy", "data_card": {"split": card_split}}, ckpt)
+    out = tmp_path / "tasks"
+    env = dict(os.environ, WANDB_MODE="offline")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "tasks", "--dataset", str(pool),
+                           "--checkpoints", str(ckpt), "--num-tasks", "1", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: task ") and "was trained or tuned on by" in last and str(ckpt) in last
+    assert not list(out.glob("*/*.json"))
