@@ -695,33 +695,37 @@ def test_ledger_look_ahead_by_hand():
 
 
 def test_ledger_forgets_one_pending_piece_of_the_placed_size():
+    def pending(led):  # the sizes still pending, largest first
+        a = led._ahead
+        return sorted((int(n) for n, p in zip(a.needs, a.pending) if p), reverse=True) if a is not None else []
+
     led = MemoryLedger(task_of([A], devices=1, memory=100), pending=[5, 9, 5, 1])
-    assert led._pending == [9, 5, 5, 1]
-    led._forget_pending(5)
-    assert led._pending == [9, 5, 1]   # one 5 only
-    led._forget_pending(7)
-    assert led._pending == [9, 5, 1]   # not pending: nothing removed
-    led._forget_pending(1)
-    led._forget_pending(9)
-    assert led._pending == [5]
-    led._forget_pending(5)
-    led._forget_pending(5)
-    assert led._pending == []
+    assert pending(led) == [9, 5, 5, 1]
+    led.forget_pending(5)
+    assert pending(led) == [9, 5, 1]   # one 5 only
+    led.forget_pending(7)
+    assert pending(led) == [9, 5, 1]   # not pending: nothing removed
+    led.forget_pending(1)
+    led.forget_pending(9)
+    assert pending(led) == [5]
+    led.forget_pending(5)
+    led.forget_pending(5)
+    assert pending(led) == []
 
 
 def test_ledger_pack_check_by_hand():
     led = MemoryLedger(task_of([A], devices=2, memory=10), pending=[5, 5])
-    assert led._pending_pack_after(0, 0)           # 10 + 10 hold 5 + 5
-    assert led._pending_pack_after(0, 5)           # 5 + 10 hold them
-    assert led._pending_pack_after(1, 6)           # 10 + 4: 5 and 5 on device 0
-    assert led._pending_pack_after(1, 7)           # 10 + 3: both 5s on device 0
+    assert led.pending_pack_after(0, 0)           # 10 + 10 hold 5 + 5
+    assert led.pending_pack_after(0, 5)           # 5 + 10 hold them
+    assert led.pending_pack_after(1, 6)           # 10 + 4: 5 and 5 on device 0
+    assert led.pending_pack_after(1, 7)           # 10 + 3: both 5s on device 0
     led2 = MemoryLedger(task_of([A], devices=2, memory=10), pending=[6, 5])
-    assert led2._pending_pack_after(0, 4)          # 6 + 10: the 6 on device 0, the 5 on device 1
-    assert led2._pending_pack_after(0, 5)          # 5 + 10: the 6 on device 1 (4 left), the 5 on device 0
+    assert led2.pending_pack_after(0, 4)          # 6 + 10: the 6 on device 0, the 5 on device 1
+    assert led2.pending_pack_after(0, 5)          # 5 + 10: the 6 on device 1 (4 left), the 5 on device 0
     led3 = MemoryLedger(task_of([A], devices=2, memory=10), pending=[6, 6])
-    assert not led3._pending_pack_after(0, 5)      # 5 + 10: one 6 on device 1, the other fits nowhere
-    assert led3._pending_pack_after(0, 4)          # 6 + 10
-    assert MemoryLedger(task_of([A], devices=2, memory=10))._pending_pack_after(0, 10)  # nothing pending
+    assert not led3.pending_pack_after(0, 5)      # 5 + 10: one 6 on device 1, the other fits nowhere
+    assert led3.pending_pack_after(0, 4)          # 6 + 10
+    assert MemoryLedger(task_of([A], devices=2, memory=10)).pending_pack_after(0, 10)  # nothing pending
 
 
 # ============================================================================= the baselines, by hand

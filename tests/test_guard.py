@@ -44,9 +44,9 @@ def test_verify_auto_is_3_once_an_evaluator_is_attached_and_the_shipped_config_i
     assert cfg.verify == "auto"
     s = NeuroShardSharder(checkpoint=None)
     assert s.verify == "auto" and s.verify_count == 0
-    assert s.search(task_of(TABLES)).top_k == 1
+    assert s.search(task_of(TABLES)).partitioner.top_k == 1
     s.attach_evaluator(CostByAlgorithm({}, 1.0))
-    assert s.verify_count == 3 and s.search(task_of(TABLES)).top_k == 3
+    assert s.verify_count == 3 and s.search(task_of(TABLES)).partitioner.top_k == 3
     s.attach_evaluator(None)
     assert s.verify_count == 0
 

@@ -283,10 +283,10 @@ def test_look_ahead_keeps_a_tight_task_packable(monkeypatch):
     big_device = next(s.device for s in plan.shards if s.table == "big")
     assert [s.table for s in plan.shards if s.device == big_device] == ["big"]
     # without the look-ahead (the most preferred device with room, always) the same search fails
-    from embshard.search.neuroshard import LookAhead
+    from embshard.packing import LookAhead
 
-    monkeypatch.setattr(LookAhead, "choose", lambda self, i, free, preference: next(
-        d for d in preference if free[d] >= self.needs[i]))
+    monkeypatch.setattr(LookAhead, "choose", lambda self, i, free, preference, more=None: next(
+        d for d in [*preference, *(more() if more else ())] if free[d] >= self.needs[i]))
     with pytest.raises(InfeasibleError) as e:
         sharder(column_wise=False, row_wise=False).shard(task)
     assert e.value.table == "big"

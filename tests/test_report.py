@@ -262,17 +262,17 @@ def test_format_table_and_results_by_hand():
 
 
 SUMMARY_TABLE = """\
-algorithm    valid  mean measured (ms)  ± spread  vs best  vs best heuristic [95% CI]          imbalance  gap to balance  out of envelope  mean search (s)
------------  -----  ------------------  --------  -------  ----------------------------------  ---------  --------------  ---------------  ---------------
-neuroshard   2/2    2.500               0.300     1.000x   0.500x [0.500, 0.500] better        1.17x      +16.7%          2/4              2.000
-size_greedy  2/2    5.000               0.400     2.000x   1.000x [1.000, 1.000] not resolved  1.75x      +75.0%          -                0.500
-random       1/2    5.000               0.100     2.500x   1.250x [1.250, 1.250] worse         1.00x      +0.0%           -                0.500"""
+algorithm    valid  mean measured (ms)  ± spread  vs best  vs best heuristic [95% CI]          gap to balance  imbalance  out of envelope  mean search (s)
+-----------  -----  ------------------  --------  -------  ----------------------------------  --------------  ---------  ---------------  ---------------
+neuroshard   2/2    2.500               0.300     1.000x   0.500x [0.500, 0.500] better        +16.7%          1.17x      2/4              2.000
+size_greedy  2/2    5.000               0.400     2.000x   1.000x [1.000, 1.000] not resolved  +75.0%          1.75x      -                0.500
+random       1/2    5.000               0.100     2.500x   1.250x [1.250, 1.250] worse         +0.0%           1.00x      -                0.500"""
 
 TASK_TABLE = """\
-algorithm    plan     measured (ms)  ± spread  vs best  vs best heuristic [95% CI]    imbalance  gap to balance  out of envelope  pieces per device  memory per device (MiB of 3.00)  search (s)
------------  -------  -------------  --------  -------  ----------------------------  ---------  --------------  ---------------  -----------------  -------------------------------  ----------
-neuroshard   valid    3.000          0.400     1.000x   0.500x [0.500, 0.500] better  1.00x      +0.0%           1/2              1/1                1.00/1.00                        3.000
-size_greedy  valid    6.000          -         2.000x   1.000x (itself)               1.50x      +50.0%          -                1/1                1.00/1.00                        0.500
+algorithm    plan     measured (ms)  ± spread  vs best  vs best heuristic [95% CI]    gap to balance  imbalance  out of envelope  pieces per device  memory per device (MiB of 3.00)  search (s)
+-----------  -------  -------------  --------  -------  ----------------------------  --------------  ---------  ---------------  -----------------  -------------------------------  ----------
+neuroshard   valid    3.000          0.400     1.000x   0.500x [0.500, 0.500] better  +0.0%           1.00x      1/2              1/1                1.00/1.00                        3.000
+size_greedy  valid    6.000          -         2.000x   1.000x (itself)               +50.0%          1.50x      -                1/1                1.00/1.00                        0.500
 random       INVALID  table 't1' needs 10 bytes"""
 
 
@@ -294,12 +294,12 @@ def test_tables_exactly_as_printed():
     est = [Result("q", "a", True, estimated=costs([2.0, 1.0]), memory_bytes=[2**29, 2**30], pieces=[1, 2])]
     gib = Task("q", 2, 2**30, 64, (Table("t1", 10, 4, 1.0),))
     assert format_results(gib, est, "estimated_cost_ms").splitlines()[::2] == [
-        "algorithm  plan   estimate (ms)  vs best  imbalance  gap to balance  pieces per device  memory per device (GiB of 1.00)",
-        "a          valid  2.000          1.000x   1.33x      +33.3%          1/2                0.50/1.00"]  # 2/1.5; (2-1.5)/1.5
+        "algorithm  plan   estimate (ms)  vs best  gap to balance  imbalance  pieces per device  memory per device (GiB of 1.00)",
+        "a          valid  2.000          1.000x   +33.3%          1.33x      1/2                0.50/1.00"]  # 2/1.5; (2-1.5)/1.5
     mib = Task("q", 2, 2**30 - 1, 64, (Table("t1", 10, 4, 1.0),))
     assert "memory per device (MiB of 1024.00)" in format_results(mib, est, "estimated_cost_ms")
     assert format_table(summarize(est, "estimated_cost_ms"), "estimated_cost_ms").splitlines()[0] == (
-        "algorithm  valid  mean estimate (ms)  vs best  imbalance  gap to balance")
+        "algorithm  valid  mean estimate (ms)  vs best  gap to balance  imbalance")
     # a metric without a label is named as it is
     assert [c.header for c in report.summary_columns("other_ms")][:3] == ["algorithm", "valid", "mean other_ms"]
     assert report.result_columns("other_ms", 1)[2].header == "other_ms"
