@@ -166,6 +166,8 @@ class Session:
         self.close("success" if exc_type is None else "failed")
 
     def close(self, status: str = "success") -> None:
+        import torch.distributed as dist
+
         for lg in self.loggers:
             lg.finalize(status)
             if type(lg).__name__ == "WandbLogger":
@@ -173,6 +175,13 @@ class Session:
 
                 wandb.finish(exit_code=0 if status == "success" else 1)
         self.loggers = []
+        if dist.is_available() and dist.is_initialized():
+            # every rank done with its collectives before any tears gloo down: a rank exiting
+            # while a peer's gloo threads still talk to it aborts ("terminate called without an
+            # active exception", exit -6). After a failure the peers may never arrive: no barrier.
+            if status == "success":
+                dist.barrier()
+            dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- model

@@ -39,10 +39,9 @@ def main(rank: int, world_size: int, port: int, task_path: str, plan_path: str, 
     from datetime import timedelta
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    try:
-        run(rank, world_size, task_path, plan_path, out_dir)
-    finally:
-        dist.destroy_process_group()
+    run(rank, world_size, task_path, plan_path, out_dir)
+    dist.barrier()  # every rank done before gloo is torn down (tests/_flexshard_worker.py says why)
+    dist.destroy_process_group()
 
 
 def run(rank: int, world_size: int, task_path: str, plan_path: str, out_dir: str) -> None:
