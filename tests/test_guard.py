@@ -62,9 +62,12 @@ def test_default_guard_measures_three_search_plans_and_the_six_heuristics_and_ke
     searched = [x for x in labels if x.startswith("neuroshard#")]
     assert searched == ["neuroshard#1", "neuroshard#2", "neuroshard#3"]  # 8 tables on 2 devices: 3 distinct plans
     assert labels[3:] == HEURISTICS and [c["source"] for c in g.candidates] == ["search"] * 3 + ["heuristic"] * 6
-    # round 1 measures each distinct plan once; then S and H, paired, until the interval of
-    # S/H (0.5 every round: a zero-width interval) excludes 1 after the minimum of 3 rounds
-    assert len(ev.calls) == 3 and ev.calls[1] == ev.calls[2] == ["neuroshard", "size_lookup_greedy"]
+    # round 1 measures each distinct plan once; then S and the two best heuristics (all tie at
+    # 2.0, within the 10% margin; the first two distinct plans in their order), paired, until the
+    # interval of S/H (0.5 every round: a zero-width interval) excludes 1 after 3 rounds
+    assert len(ev.calls) == 3 and ev.calls[1] == ev.calls[2] == ["neuroshard", "size_lookup_greedy", "lookup_greedy"]
+    assert g.decision["contenders"] == ["size_lookup_greedy", "lookup_greedy"]
+    assert g.decision["heuristic"] == "size_lookup_greedy"  # equal means: the first
     assert g.decision["verdict"] == "better" and g.decision["rounds"] == 3
     assert g.decision["ratio"]["mean"] == pytest.approx(0.5) and g.decision["ratio"]["high"] == pytest.approx(0.5)
     # the search's own pick wins: the returned plan is the search's best, not changed
@@ -123,3 +126,54 @@ def test_verify_without_an_evaluator_is_an_input_error():
     for bad in (-1, True, "3", 1.5):
         with pytest.raises(InputError, match="verify must be 'auto' or an integer >= 0"):
             NeuroShardSharder(checkpoint=None, verify=bad)
+
+
+class CostsPerRound:
+    """Measures plan `p` at the next of `costs[p.algorithm]` each time it is measured (the last
+    value repeats): round 1 first, then the paired rounds."""
+
+    def __init__(self, costs: dict[str, list[float]]):
+        self.costs = {k: list(v) for k, v in costs.items()}
+        self.calls: list[list[str]] = []
+
+    def measure_many(self, task, plans, visits=None):
+        self.calls.append([p.algorithm for p in plans])
+        out = []
+        for p in plans:
+            seq = self.costs[p.algorithm]
+            ms = seq.pop(0) if len(seq) > 1 else seq[0]
+            out.append(DeviceCosts([ms] * task.num_devices, [0.0] * task.num_devices, [0.0] * task.num_devices))
+        return out
+
+
+def test_the_best_heuristic_is_the_lowest_mean_over_the_rounds_not_round_one():
+    # round 1 puts size_lookup_greedy (9.0) ahead of lookup_greedy (9.5); every later round
+    # measures lookup_greedy ~9.0 and size_lookup_greedy ~10.5. The search's plan (10.0) is
+    # then worse than the best heuristic, lookup_greedy (mean (9.5 + 9.0 + 9.1) / 3 = 9.2,
+    # against (9.0 + 10.5 + 10.6) / 3 = 10.03), and that is the plan kept; the rule of round 1
+    # alone would have kept size_lookup_greedy.
+    s = NeuroShardSharder(checkpoint=None, verify=1, verify_heuristics=["size_lookup_greedy", "lookup_greedy"],
+                          verify_min_rounds=3, verify_max_rounds=3)
+    ev = CostsPerRound({"neuroshard": [10.0], "size_lookup_greedy": [9.0, 10.5, 10.6],
+                        "lookup_greedy": [9.5, 9.0, 9.1]})
+    s.attach_evaluator(ev)
+    task = task_of(TABLES)
+    plan = s.shard(task)
+    d = s.last_guard.decision
+    assert d["contenders"] == ["size_lookup_greedy", "lookup_greedy"]  # 9.5 is within 10% of 9.0
+    assert d["heuristic"] == "lookup_greedy" and d["kept"] == "lookup_greedy" and d["rounds"] == 3
+    # S / lookup_greedy per round: 10 / 9.5, 10 / 9.0, 10 / 9.1
+    assert d["ratio"]["mean"] == pytest.approx((10 / 9.5 + 10 / 9.0 + 10 / 9.1) / 3)
+    from embshard.search.baselines import GreedySharder
+
+    assert plan.shards == GreedySharder("lookup").shard(task).shards
+
+
+def test_a_heuristic_beyond_the_margin_leaves_the_paired_rounds():
+    s = NeuroShardSharder(checkpoint=None, verify=1, verify_heuristics=["size_lookup_greedy", "lookup_greedy"],
+                          verify_min_rounds=3, verify_max_rounds=3)
+    ev = CostsPerRound({"neuroshard": [5.0], "size_lookup_greedy": [9.0], "lookup_greedy": [9.91]})  # > 1.1 x 9.0
+    s.attach_evaluator(ev)
+    s.shard(task_of(TABLES))
+    assert s.last_guard.decision["contenders"] == ["size_lookup_greedy"]
+    assert ev.calls[1:] == [["neuroshard", "size_lookup_greedy"]] * 2

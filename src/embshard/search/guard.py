@@ -4,9 +4,11 @@ hardware, and the candidate kept only where it is shown better.
 Any planner with candidates and a hardware evaluator uses it (NeuroShard's best plans, the
 portfolio's best-ranked members). Round 1 measures every distinct candidate and every
 heuristic's plan, interleaved, and names the candidates' measured best (S) and the best
-heuristic (H). Later rounds measure S and H only, paired and interleaved, until the bootstrap
-95% interval of the mean per-round ratio S/H excludes 1 (at least `min_rounds` rounds), the
-rounds reach `max_rounds`, or the paired rounds pass `budget_s`. S is returned when the
+heuristic (H). Later rounds measure S and the heuristics within `margin` of H (`contenders`
+in all), paired and interleaved; H is then the contender with the lowest mean over the rounds
+(one round cannot tell heuristics a few percent apart). They go on until the bootstrap 95%
+interval of the mean per-round ratio S/H excludes 1 (at least `min_rounds` rounds), the rounds
+reach `max_rounds`, or the paired rounds pass `budget_s`. S is returned when the
 interval lies below 1; otherwise (worse, or not resolved) H's plan is: the guard never trades
 a known plan for a coin toss. `GuardResult` is what report.json's `guard` holds.
 """
@@ -17,6 +19,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
 
 from embshard.costs.base import DeviceCosts
 from embshard.errors import EmbshardError, InputError
@@ -81,6 +85,10 @@ class MeasuredGuard:
         visits: interleaved visits per measuring round (None: the evaluator's protocol's).
         budget_s: seconds of paired rounds after round 1, at most (a round begun finishes).
         min_rounds, max_rounds: rounds before a decision / at most.
+        contenders, margin: how many heuristics' plans stay in the paired rounds: the round-1
+            best and the next ones within `margin` (relative) of it, `contenders` in all. One
+            round cannot tell heuristics a few percent apart; the best heuristic is the one
+            with the lowest mean over the rounds.
         owner: the planner's name, for error messages.
     """
 
@@ -89,6 +97,8 @@ class MeasuredGuard:
     budget_s: float = 60.0
     min_rounds: int = 3
     max_rounds: int = 10
+    contenders: int = 2
+    margin: float = 0.1
     owner: str = "guard"
 
     def __post_init__(self) -> None:
@@ -104,6 +114,11 @@ class MeasuredGuard:
         if not 2 <= int(self.min_rounds) <= int(self.max_rounds):
             raise InputError(f"{self.owner}: need 2 <= verify_min_rounds <= verify_max_rounds, got "
                              f"{self.min_rounds!r}, {self.max_rounds!r}")
+        if int(self.contenders) < 1 or not float(self.margin) >= 0:
+            raise InputError(f"{self.owner}: need verify_contenders >= 1 and verify_margin >= 0, got "
+                             f"{self.contenders!r}, {self.margin!r}")
+        self.contenders = int(self.contenders)
+        self.margin = float(self.margin)
         self.visits = None if self.visits is None else int(self.visits)
         self.budget_s = float(self.budget_s)
         self.min_rounds = int(self.min_rounds)
@@ -141,34 +156,51 @@ class MeasuredGuard:
         search_ids = [i for i, (_, src, _) in enumerate(labelled) if src == "search"]
         heur_ids = [i for i, (_, src, _) in enumerate(labelled) if src == "heuristic"]
         s = min(search_ids, key=lambda i: (rows[i]["measured_ms"], i))
-        rounds = [{labelled[i][0]: rows[i]["measured_ms"] for i in first}]
+        rounds = [{labelled[i][0]: rows[i]["measured_ms"] for i in range(len(labelled))}]
         decision: dict[str, Any]
         if not heur_ids:
             best, decision = s, {"verdict": "no heuristic plan", "kept": labelled[s][0]}
         else:
-            h = min(heur_ids, key=lambda i: (rows[i]["measured_ms"], i))
+            by_cost = sorted(heur_ids, key=lambda i: (rows[i]["measured_ms"], i))
+            h = by_cost[0]
             if labelled[s][2].signature() == labelled[h][2].signature():
                 best, decision = s, {"verdict": "same plan", "kept": labelled[s][0], "heuristic": labelled[h][0]}
             else:
-                ratios = [rows[s]["measured_ms"] / rows[h]["measured_ms"]]
-                summary = None
-                while len(ratios) < self.max_rounds and time.perf_counter() < deadline:
-                    cs, ch = evaluator.measure_many(task, [labelled[s][2], labelled[h][2]], visits=self.visits)
-                    ratios.append(cs.plan_cost_ms / ch.plan_cost_ms)
-                    rounds.append({labelled[s][0]: cs.plan_cost_ms, labelled[h][0]: ch.plan_cost_ms})
-                    summary = paired_ratio_summary(ratios)
-                    if len(ratios) >= self.min_rounds and summary.resolved:
+                # the heuristics that stay: distinct plans within the margin of the best one
+                stay: list[int] = []
+                for i in by_cost:
+                    if len(stay) == self.contenders or rows[i]["measured_ms"] > (1 + self.margin) * rows[h]["measured_ms"]:
                         break
-                if summary is None:
-                    summary = paired_ratio_summary(ratios)
+                    sig = labelled[i][2].signature()
+                    if sig != labelled[s][2].signature() and all(sig != labelled[j][2].signature() for j in stay):
+                        stay.append(i)
+                stay = stay or [h]
+
+                def paired(h_id: int) -> list[float]:  # S / H per round
+                    return [r[labelled[s][0]] / r[labelled[h_id][0]] for r in rounds]
+
+                def mean_ms(i: int) -> float:
+                    return float(np.mean([r[labelled[i][0]] for r in rounds]))
+
+                summary = None
+                while len(rounds) < self.max_rounds and time.perf_counter() < deadline:
+                    costs = evaluator.measure_many(task, [labelled[i][2] for i in (s, *stay)], visits=self.visits)
+                    rounds.append({labelled[i][0]: c.plan_cost_ms for i, c in zip((s, *stay), costs)})
+                    h = min(stay, key=lambda i: (mean_ms(i), i))
+                    summary = paired_ratio_summary(paired(h))
+                    if len(rounds) >= self.min_rounds and summary.resolved:
+                        break
+                h = min(stay, key=lambda i: (mean_ms(i), i))
+                ratios = paired(h)
+                summary = paired_ratio_summary(ratios)
                 if len(ratios) < self.min_rounds:  # out of time before a decision could be made
                     verdict = "not resolved"
                 else:
                     verdict = summary.verdict
                 best = s if verdict == "better" else h
                 decision = {"verdict": verdict, "kept": labelled[best][0], "search": labelled[s][0],
-                            "heuristic": labelled[h][0], "ratio": summary.to_dict(), "rounds": len(ratios),
-                            "budget_s": self.budget_s}
+                            "heuristic": labelled[h][0], "contenders": [labelled[i][0] for i in stay],
+                            "ratio": summary.to_dict(), "rounds": len(ratios), "budget_s": self.budget_s}
         seconds = time.perf_counter() - t0
         result = GuardResult(rows, labelled[best][0], labelled[0][0], round(seconds, 3), decision, rounds)
         return Plan(task.name, name, list(labelled[best][2].shards)), result

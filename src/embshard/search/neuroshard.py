@@ -293,6 +293,8 @@ class NeuroShardSharder:
             bootstrap 95% interval of their mean cost ratio excludes 1, or this many seconds
             have passed.
         verify_min_rounds, verify_max_rounds: rounds before a decision / at most.
+        verify_contenders, verify_margin: heuristics kept in the paired rounds: the round-1 best
+            and the next within the margin of it, `verify_contenders` in all (`MeasuredGuard`).
         max_candidates: per placement, re-predict at most this many allowed devices (those
             whose shard is predicted cheapest now); None: all (`GreedyPartitioner`).
         grid_max_work: thin the caps on tasks over this many pieces × devices × caps (None: never).
@@ -321,6 +323,8 @@ class NeuroShardSharder:
         verify_budget_s: float = 60.0,
         verify_min_rounds: int = 3,
         verify_max_rounds: int = 10,
+        verify_contenders: int = 2,
+        verify_margin: float = 0.1,
         max_candidates: int | None = MAX_CANDIDATE_DEVICES,
         grid_max_work: int | None = GRID_MAX_WORK,
     ):
@@ -336,7 +340,8 @@ class NeuroShardSharder:
             raise InputError(f"neuroshard: incremental must be true, false or auto, got {incremental!r}")
         #: the measured guard (its settings are checked here, before any search)
         self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
-                                   verify_max_rounds, owner="neuroshard")
+                                   verify_max_rounds, verify_contenders, verify_margin,
+                                   owner="neuroshard")
         self.checkpoint = None if checkpoint in (None, "") else str(checkpoint)
         self.beam_width = int(beam_width)
         self.beam_steps = int(beam_steps)

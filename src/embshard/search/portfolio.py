@@ -85,6 +85,8 @@ class PortfolioSharder:
         verify_budget_s: float = 60.0,
         verify_min_rounds: int = 3,
         verify_max_rounds: int = 10,
+        verify_contenders: int = 2,
+        verify_margin: float = 0.1,
         name: str = "portfolio",
     ):
         if verify != "auto" and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
@@ -98,7 +100,8 @@ class PortfolioSharder:
         self.ranker = None if ranker in (None, "") else str(ranker)
         self.verify = verify
         self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
-                                   verify_max_rounds, owner=name)
+                                   verify_max_rounds, verify_contenders, verify_margin,
+                                   owner=name)
         self.name = name
         self.evaluator: Any = None
         self._ranker: tuple[CostModel, dict[str, Any]] | None = None
