@@ -11,7 +11,9 @@ tasks) and over all of them:
   of every distinct plan;
 * plan cost: Kendall τ between predicted and measured plan cost among the plans of one task
   (the ranking a search relies on), averaged over tasks, and MAPE;
-* how many device shards were outside the models' training envelope.
+* how many device shards were outside the models' training envelope;
+* the level: median measured / predicted per device, compute and backward comm (1.00: the
+  models, rescaled to the session's speed probe, are of the measurement's size).
 
 The aims (issue "Trustworthy learned costs"): compute MAPE <= 5%, τ >= 0.95; plan-cost τ >= 0.9.
 
@@ -82,12 +84,16 @@ def at_measured_speed(result: dict, session: dict) -> dict:
 
 
 def fidelity(results: list[dict]) -> dict:
-    pred, meas = [], []
+    pred, meas, comm_ratio = [], [], []
     for r in results:
         for p, m in zip(r["estimated_device_costs"]["compute_ms"], r["measured_device_costs"]["compute_ms"]):
             if m > 0:
                 pred.append(p)
                 meas.append(m)
+        for p, m in zip(r["estimated_device_costs"]["backward_comm_ms"], r["measured_device_costs"]["backward_comm_ms"]):
+            if p > 0 and m > 0:
+                comm_ratio.append(m / p)
+    both = [(m, p) for m, p in zip(meas, pred) if p > 0]
     compute = regression_metrics(np.array(meas), np.array(pred))
     taus = per_task_kendall_taus(results, "measured_cost_ms", "estimated_cost_ms")
     plan = regression_metrics(np.array([r["measured_cost_ms"] for r in results]), np.array([r["estimated_cost_ms"] for r in results]))
@@ -101,6 +107,9 @@ def fidelity(results: list[dict]) -> dict:
         "plan_tau_per_task": float(np.mean(taus)) if taus else None,
         "plan_mape_pct": plan.get("mape_pct"),
         "out_of_envelope": f"{sum(e['out_of_envelope_devices'] for e in env)}/{sum(e['devices'] for e in env)}" if env else "-",
+        # the level: median measured / predicted (1.0: the rescaled models are of the measurement's size)
+        "compute_level": float(np.median([m / p for m, p in both])) if both else None,
+        "comm_level": float(np.median(comm_ratio)) if comm_ratio else None,
     }
 
 
@@ -109,12 +118,14 @@ def _f(x, pattern: str) -> str:
 
 
 def table(rows: list[tuple[str, dict]]) -> str:
-    lines = ["| held-out set | tasks | distinct plans | devices | compute MAPE | compute τ | plan-cost τ (per task) | plan-cost MAPE | out of envelope |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| held-out set | tasks | distinct plans | devices | compute MAPE | compute τ | plan-cost τ (per task) | "
+             "plan-cost MAPE | measured ÷ predicted, compute / backward comm (median) | out of envelope |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, f in rows:
         lines.append(f"| {name} | {f['tasks']} | {f['plans']} | {f['devices']} | {_f(f['compute_mape_pct'], '{:.1f}%')} | "
                      f"{_f(f['compute_kendall_tau'], '{:.3f}')} | {_f(f['plan_tau_per_task'], '{:.3f}')} | "
-                     f"{_f(f['plan_mape_pct'], '{:.1f}%')} | {f['out_of_envelope']} |")
+                     f"{_f(f['plan_mape_pct'], '{:.1f}%')} | {_f(f['compute_level'], '{:.2f}')} / "
+                     f"{_f(f['comm_level'], '{:.2f}')} | {f['out_of_envelope']} |")
     return "\n".join(lines)
 
 
@@ -167,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {p}: no plan with both an estimate and a measurement", file=sys.stderr)
             return 2
         every += res
-        label = p.parent.name if p.parent.name != "runs" else f"{p.parent.parent.name}/{p.parent.name}"
+        label = p.stem if p.name != "report.json" else (
+            p.parent.name if p.parent.name != "runs" else f"{p.parent.parent.name}/{p.parent.name}")
         rows.append((label, fidelity(res)))
     if len(rows) > 1:
         rows.append(("all", fidelity(every)))
