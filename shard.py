@@ -22,7 +22,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from embshard.cli import one_line_errors, refuse_unknown_keys
+from embshard.cli import one_line_errors, refuse_additions, refuse_unknown_keys
 from embshard.errors import InputError, nearest_name
 
 log = logging.getLogger("shard")
@@ -276,33 +276,7 @@ def _publish(staging: Path, out_dir: Path) -> None:
             src.replace(dst)
 
 
-def refuse_additions(argv: list[str]) -> None:
-    """Hydra's `+key=value` adds a key: one shard.py never reads (silently ignored), or, for a key
-    it has (`+algorithm=X`), a Hydra error several lines long. Either way: one line, exit 2.
-    `~key` (Hydra's delete) removes a key shard.py reads: a traceback; one line instead."""
-    for arg in argv:
-        if arg.startswith("~"):
-            print(f"error: {arg}: shard.py's keys cannot be removed; give {arg[1:].partition('=')[0]} a value instead; "
-                  "python shard.py --help lists them", file=sys.stderr)
-            sys.exit(2)
-        if not arg.startswith("+"):
-            continue
-        key, _, value = arg.lstrip("+").partition("=")
-        conf = OmegaConf.load(ROOT / "conf" / "shard.yaml")
-        known = [k for k in conf if k not in ("defaults", "hydra")]
-        known += [next(iter(d)) for d in conf.defaults if isinstance(d, DictConfig) and "override" not in next(iter(d))]
-        top = key.split(".")[0].split("/")[0]
-        if top in known:
-            fix = f"write {key}={value}"
-        else:
-            near = nearest_name(top, known)
-            fix = f"{top!r} is not a shard.py key" + (f" (did you mean {near!r}?)" if near else "")
-        print(f"error: {arg}: shard.py takes its own keys without '+': {fix}; python shard.py --help lists them",
-              file=sys.stderr)
-        sys.exit(2)
-
-
 if __name__ == "__main__":
-    refuse_additions(sys.argv[1:])
+    refuse_additions(sys.argv[1:], ROOT / "conf", "shard", "shard.py")
     refuse_unknown_keys(sys.argv[1:], ROOT / "conf", "shard", "shard.py")
     main()

@@ -32,7 +32,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from embshard.cli import one_line_errors, refuse_unknown_keys
+from embshard.cli import one_line_errors, refuse_additions, refuse_unknown_keys
 from embshard.errors import InputError, nearest_name
 
 ROOT = Path(__file__).resolve().parent
@@ -76,6 +76,7 @@ def refuse_unknown_stage(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    refuse_additions(sys.argv[1:], ROOT / "conf", "train", "train.py")
     refuse_unknown_stage(sys.argv[1:])
     refuse_unknown_keys(sys.argv[1:], ROOT / "conf", "train", "train.py")
     main()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from embshard import InputError, Plan, Table, Task
-from embshard.cli import refuse_unknown_keys
+from embshard.cli import refuse_additions, refuse_unknown_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -70,13 +70,27 @@ def test_known_keys_and_options_pass(capsys, config, argv):
 
 
 def test_removing_a_shard_key_is_one_line_not_a_traceback(capsys):
-    import shard
-
     with pytest.raises(SystemExit) as e:
-        shard.refuse_additions(["task_file=t.json", "~evaluate"])
+        refuse_additions(["task_file=t.json", "~evaluate"], CONF, "shard", "shard.py")
     assert e.value.code == 2
     assert capsys.readouterr().err == ("error: ~evaluate: shard.py's keys cannot be removed; give evaluate a value "
                                        "instead; python shard.py --help lists them\n")
+
+
+@pytest.mark.parametrize("arg, message", [
+    # a key train.py has: Hydra would answer with a several-line error
+    ("+stage=tasks", "train.py takes its own keys without '+': write stage=tasks"),
+    # a nested key: written without '+', refuse_unknown_keys then judges the key itself
+    ("+dlrm.steps=3", "write dlrm.steps=3"),
+    # a key it does not have: Hydra would add it and nothing would read it
+    ("+data_dri=/tmp/x", "'data_dri' is not a train.py key (did you mean 'data_dir'?)"),
+])
+def test_train_py_refuses_plus_overrides_in_one_line(capsys, arg, message):
+    with pytest.raises(SystemExit) as e:
+        refuse_additions(["stage=synthetic", arg], CONF, "train", "train.py")
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {arg}: ") and message in line
 
 
 @pytest.mark.slow

@@ -87,3 +87,29 @@ def _exit_2(message: str) -> NoReturn:
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     sys.exit(2)
+
+
+def refuse_additions(argv: Sequence[str], config_dir: Path, config_name: str, entry: str) -> None:
+    """Hydra's `+key=value` adds a key: one the entry point never reads (silently ignored), or,
+    for a key it has (`+algorithm=X`), a Hydra error several lines long. `~key` (Hydra's delete)
+    removes a key it reads: a traceback. Either way: one `error:` line, exit 2."""
+    from omegaconf import OmegaConf
+
+    for arg in argv:
+        if arg.startswith("~"):
+            _exit_2(f"{arg}: {entry}'s keys cannot be removed; give {arg[1:].partition('=')[0]} a value instead; "
+                    f"python {entry} --help lists them")
+        if not arg.startswith("+"):
+            continue
+        key, _, value = arg.lstrip("+").partition("=")
+        conf = OmegaConf.load(config_dir / f"{config_name}.yaml")
+        known = [k for k in conf if k not in ("defaults", "hydra")]
+        known += [next(iter(d)) for d in conf.defaults if isinstance(d, DictConfig) and "override" not in next(iter(d))]
+        top = key.split(".")[0].split("/")[0]
+        if top in known:
+            fix = f"write {key}={value}"
+        else:
+            near = nearest_name(top, known)
+            fix = f"{top!r} is not a {entry} key" + (f" (did you mean {near!r}?)" if near else "")
+        _exit_2(f"{arg}: {entry} takes its own keys without '+': {fix}; python {entry} --help lists them")
+
