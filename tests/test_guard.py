@@ -115,6 +115,10 @@ def test_guard_without_a_heuristic_plan_keeps_the_search_pick():
     plan = s.shard(task)
     assert s.last_guard.decision == {"verdict": "no heuristic plan", "kept": "neuroshard#1"}
     assert [c["label"] for c in s.last_guard.candidates] == ["neuroshard#1"] and len(ev.calls) == 1
+    # each heuristic left out is named in report.json's guard, with the reason
+    skipped = s.last_guard.to_dict()["skipped"]
+    assert sorted(skipped) == sorted(HEURISTICS)
+    assert all("'big'" in why and "short by" in why for why in skipped.values())
     validate(task, plan)
 
 

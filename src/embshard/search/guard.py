@@ -65,6 +65,8 @@ class GuardResult:
     decision: dict[str, Any] = field(default_factory=dict)
     #: measured plan cost (ms) per round, by label
     rounds: list[dict[str, float]] = field(default_factory=list)
+    #: heuristics that were not candidates, and why (their plan was invalid for the task)
+    skipped: dict[str, str] = field(default_factory=dict)
     changed: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -73,7 +75,7 @@ class GuardResult:
     def to_dict(self) -> dict[str, Any]:
         return {"candidates": self.candidates, "chosen": self.chosen, "search_pick": self.search_pick,
                 "changed": self.changed, "measure_seconds": self.measure_seconds, "decision": self.decision,
-                "rounds": self.rounds}
+                "rounds": self.rounds, "skipped": self.skipped}
 
 
 @dataclass
@@ -131,12 +133,14 @@ class MeasuredGuard:
         from embshard.stats import paired_ratio_summary
 
         labelled: list[tuple[str, str, Plan]] = [(label, "search", p) for label, p in candidates]
+        skipped: dict[str, str] = {}
         for h in self.heuristics:
             try:
                 hp = self._keys[h]().shard(task)
                 validate(task, hp)
             except EmbshardError as e:
                 log.debug("%s guard: %s has no valid plan for %s (%s)", self.owner, h, task.name, e)
+                skipped[h] = str(e).splitlines()[0]
                 continue
             labelled.append((h, "heuristic", hp))
         unique: dict[tuple, int] = {}
@@ -202,5 +206,5 @@ class MeasuredGuard:
                             "heuristic": labelled[h][0], "contenders": [labelled[i][0] for i in stay],
                             "ratio": summary.to_dict(), "rounds": len(ratios), "budget_s": self.budget_s}
         seconds = time.perf_counter() - t0
-        result = GuardResult(rows, labelled[best][0], labelled[0][0], round(seconds, 3), decision, rounds)
+        result = GuardResult(rows, labelled[best][0], labelled[0][0], round(seconds, 3), decision, rounds, skipped)
         return Plan(task.name, name, list(labelled[best][2].shards)), result
