@@ -160,7 +160,10 @@ def by_devices_table(reports: list[dict], algorithm: str, metric: str) -> str:
 
 
 def _iv(iv: dict | None) -> str:
-    return "" if iv is None else f" [{iv['low']:.3f}, {iv['high']:.3f}] {iv['verdict']}"
+    """The paired ratio beside the ratio of plan costs: its mean, interval and verdict (the
+    interval is of the mean of per-repetition ratios, so it is shown with that mean, not with
+    the ratio of the two plans' medians, which it need not contain)."""
+    return "" if iv is None else f" (paired {iv['mean']:.3f}x [{iv['low']:.3f}, {iv['high']:.3f}] {iv['verdict']})"
 
 
 def _f(x, p: str) -> str:

@@ -324,8 +324,10 @@ def test_heuristic_cell():
     assert report._heur_cell(None) == "-"
     assert report._heur_cell({"ratio": 1.0, "interval": None}) == "1.000x (itself)"
     assert report._heur_cell({"ratio": 0.75, "interval": None}) == "0.750x"
-    iv = {"low": 0.7, "high": 0.8, "verdict": "better"}
-    assert report._heur_cell({"ratio": 0.75, "interval": iv}) == "0.750x [0.700, 0.800] better"
+    # the interval is of the mean paired ratio, and is printed beside that mean: the ratio of the
+    # two medians (0.75) can lie outside it
+    iv = {"mean": 0.72, "low": 0.65, "high": 0.74, "verdict": "better"}
+    assert report._heur_cell({"ratio": 0.75, "interval": iv}) == "0.750x (paired 0.720x [0.650, 0.740]) better"
     assert report._fmt(float("nan"), "{:.1f}") == "-" and report._fmt(None, "{:.1f}") == "-"
     assert report._fmt(2, "{:d}") == "2"
 
@@ -370,3 +372,35 @@ def test_plot_costs_writes_a_png(tmp_path):
     assert plot_costs(two_task_results(), tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     assert not math.isnan(summarize(two_task_results())[0]["mean_measured_cost_ms"])
+
+
+def test_summarize_improvement_prints_the_paired_mean_beside_its_interval(tmp_path):
+    """Per task: the ratio of the two plans' costs, then the paired per-repetition ratio's mean
+    with the interval that belongs to it; a task whose whole interval lies above 1 is worse
+    beyond the interval."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def row(task, algorithm, cost, samples):
+        return {"task": task, "algorithm": algorithm, "valid": True, "measured_cost_ms": cost, "memory_bytes": [1, 1],
+                "measured_spread_ms": 0.0, "measured_device_costs": {"plan_cost_samples_ms": samples}}
+
+    # task a: medians 9 / 10 (0.900x); per repetition 8/10, 8/10, 9/10, 8/10 -> mean 0.825
+    # task b: 12 / 10, every repetition above 1 -> worse
+    report = {"results": [row("a", "size_greedy", 10.0, [10.0, 10.0, 10.0, 10.0]),
+                          row("a", "neuroshard", 9.0, [8.0, 8.0, 9.0, 8.0]),
+                          row("b", "size_greedy", 10.0, [10.0, 10.0, 10.0, 10.0]),
+                          row("b", "neuroshard", 12.0, [12.0, 11.0, 12.0, 13.0])]}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "summarize_improvement.py"
+    out = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, WANDB_MODE="offline")).stdout
+    line_a = next(x for x in out.splitlines() if x.startswith("a "))
+    assert "ratio 0.900 (paired 0.825x [" in line_a and "] better)" in line_a and "WORSE" not in line_a
+    line_b = next(x for x in out.splitlines() if x.startswith("b "))
+    assert "ratio 1.200 (paired 1.200x [" in line_b and "] worse)" in line_b and "WORSE beyond the interval" in line_b
+    assert "worse beyond the interval on 1)" in out
