@@ -300,8 +300,10 @@ def _heur_cell(v: dict[str, Any] | None) -> str:
         return "-"
     if v["interval"] is None:
         return f"{v['ratio']:.3f}x" if v["ratio"] != 1.0 else "1.000x (itself)"
-    iv = v["interval"]  # of the mean per-repetition ratio: shown with that mean, which it contains
-    return f"{v['ratio']:.3f}x (paired {iv['mean']:.3f}x [{iv['low']:.3f}, {iv['high']:.3f}]) {iv['verdict']}"
+    # the interval is of the mean per-repetition (paired) ratio, so it is shown with that mean,
+    # which it contains; the ratio of the two medians need not lie inside it
+    iv = v["interval"]
+    return f"{iv['mean']:.3f}x [{iv['low']:.3f}, {iv['high']:.3f}] {iv['verdict']}"
 
 
 def per_device(values: Sequence[float], pattern: str, show: int = 8) -> str:
