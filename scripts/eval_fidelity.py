@@ -28,6 +28,10 @@ each plan's compute estimate on the probe tracked inside its own measurement ins
 probe's kernels interleaved with the plan's: `measured_probe` in report.json), compute ×
 (tracked / session probe), the same way as above. This separates what the model gets wrong
 from how fast the machine ran at that moment. Comm has no tracked probe and stays as estimated.
+
+`--without-comm-rescale`: undo the comm models' rescale to the session's probe (the all-to-all
+ratio in report.json's `cost_model.rescale.scales`), the same way: what the comm estimates
+would have been had only the compute model been carried to the session's speed.
 """
 
 from __future__ import annotations
@@ -136,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", default=None, help="a calibrated cost_models.pt: score its (rescaled) estimates")
     ap.add_argument("--at-measured-speed", action="store_true",
                     help="compute estimates on the probe tracked inside each plan's measurement (measured_probe)")
+    ap.add_argument("--without-comm-rescale", action="store_true",
+                    help="undo the comm models' rescale to the session's probe (cost_model.rescale.scales)")
     args = ap.parse_args(argv)
     scale = None
     if args.calibration:
@@ -174,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
                       "(measured_probe) of a shard.py run with measure.probe=true", file=sys.stderr)
                 return 2
             res = [at_measured_speed(r, report["probe"]) for r in res]
+        if args.without_comm_rescale:
+            rescale = (report.get("cost_model") or {}).get("rescale") or {}
+            if not rescale.get("applied"):
+                print(f"error: {p}: --without-comm-rescale needs a report whose cost model was rescaled "
+                      f"({rescale.get('reason', 'no cost_model.rescale')})", file=sys.stderr)
+                return 2
+            undo = {"compute": 1.0, **{k: 1.0 / rescale["scales"][k] for k in ("forward_comm", "backward_comm")}}
+            res = [calibrated(r, undo) for r in res]
         if not res:
             print(f"error: {p}: no plan with both an estimate and a measurement", file=sys.stderr)
             return 2

@@ -325,3 +325,39 @@ def test_fidelity_at_measured_speed_moves_compute_estimates_to_the_tracked_probe
     assert e["forward_comm_ms"] == pytest.approx([4 * s + 2.0, 2.0]) and e["backward_comm_ms"] == [3.0, 3.0]
     assert moved["estimated_cost_ms"] == pytest.approx(max(10 * s + 4 * s + 2 + 3, 14 * s + 2 + 3))
     assert fid.at_measured_speed({**result, "measured_probe": None}, session.to_dict())["estimated_device_costs"] == est
+
+
+def test_fidelity_without_comm_rescale_divides_the_comm_estimates_by_the_applied_scale(tmp_path, capsys):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("eval_fidelity", "scripts/eval_fidelity.py")
+    fid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fid)
+
+    def result(name, compute, measured_backward):
+        # equal computes: no forward wait; the estimates are as rescaled (comm x 2)
+        est = {"compute_ms": [compute, compute], "forward_comm_ms": [2.0, 2.0], "backward_comm_ms": [4.0, 4.0]}
+        meas = {"compute_ms": [compute, compute], "forward_comm_ms": [1.0, 1.0],
+                "backward_comm_ms": [measured_backward] * 2}
+        return {"task": "t", "algorithm": name, "valid": True, "estimated_device_costs": est,
+                "measured_device_costs": meas, "estimated_cost_ms": compute + 6.0,
+                "measured_cost_ms": compute + 1.0 + measured_backward}
+
+    report = {"evaluate": "measured", "results": [result("a", 10.0, 2.0), result("b", 20.0, 2.0)],
+              "cost_model": {"rescale": {"applied": True, "scales": {"compute": 0.5, "forward_comm": 2.0,
+                                                                      "backward_comm": 2.0}}}}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert fid.main([str(path)]) == 0
+    row = capsys.readouterr().out.splitlines()[2].split(" | ")
+    assert row[8] == "1.00 / 0.50"  # measured backward 2 ms against 4 ms estimated
+    assert fid.main([str(path), "--without-comm-rescale"]) == 0
+    row = capsys.readouterr().out.splitlines()[2].split(" | ")
+    assert row[8] == "1.00 / 1.00"  # 4 ms / 2: the estimate before the rescale
+    # plan cost: 10 + 1 + 2 (forward, backward halved) = 13 against 13 measured
+    assert row[7] == "0.0%"
+    report["cost_model"]["rescale"] = {"applied": False, "reason": "the checkpoint records no probe"}
+    path.write_text(json.dumps(report))
+    assert fid.main([str(path), "--without-comm-rescale"]) == 2
+    assert "no probe" in capsys.readouterr().err
