@@ -23,11 +23,10 @@ import argparse
 import logging
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from embshard.costs.analytic import AnalyticCostModel
-from embshard.data.tasks import planning_bench_tasks
+from embshard.data.tasks import planning_bench_tasks, without_histograms
 from embshard.plan import validate
 from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
 
@@ -54,7 +53,7 @@ def main() -> None:
 
     task, warm = planning_bench_tasks(args.tables, args.devices, ROOT / "data", trace_batch=args.trace_batch, seed=args.seed)
     if args.no_histograms:
-        task = replace(task, tables=tuple(replace(t, reuse_histogram=None, trace=None) for t in task.tables))
+        task = without_histograms(task)
     if args.save_task:
         task.save(args.save_task)
         print(f"wrote {args.save_task}")

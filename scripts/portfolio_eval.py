@@ -26,7 +26,6 @@ one by one: met, not met, or not resolved (the interval straddles the aim).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -63,7 +62,7 @@ PORTFOLIO_GAP_PCT = 5.0
 def make_tasks(args: argparse.Namespace) -> None:
     from embshard.data.split import TableSplit, check_unseen, seen_by_checkpoint
     from embshard.data.synthetic import generate_synthetic
-    from embshard.data.tasks import neuroshard_tasks, write_tasks
+    from embshard.data.tasks import neuroshard_tasks, without_histograms, write_tasks
     from embshard.errors import InputError
 
     dataset = Path(args.dataset)
@@ -100,8 +99,7 @@ def make_tasks(args: argparse.Namespace) -> None:
             tasks.append(replace(task, name=f"pe-{name}-{i:04d}"))
         if not histograms:  # what a user brings: rows, dim, pooling factor (the evaluator draws
             # indices from the calibrated synthetic law)
-            tasks = [replace(t, tables=tuple(replace(tb, reuse_histogram=None, trace=None) for tb in t.tables))
-                     for t in tasks]
+            tasks = [without_histograms(t) for t in tasks]
         try:
             check_unseen(tasks, seen, pool=str(dataset))
         except InputError as e:
@@ -117,14 +115,10 @@ def make_tasks(args: argparse.Namespace) -> None:
 
 def summarize(args: argparse.Namespace) -> None:
     from embshard.io import write_json_atomic, write_text_atomic
-    from embshard.report import summarize_results
+    from embshard.report import summaries_by_setting
 
     runs = Path(args.runs)
-    summary = {}
-    for name in list(SETTINGS) + sorted(p.name for p in runs.iterdir() if p.is_dir() and p.name not in SETTINGS):
-        f = runs / name / "report.json"
-        if f.is_file():
-            summary[name] = summarize_results(json.loads(f.read_text()))
+    summary = summaries_by_setting(runs, SETTINGS)
     if not summary:
         sys.exit(f"error: no <setting>/report.json under {runs}")
     text = markdown(summary) + "\n" + aims(summary)

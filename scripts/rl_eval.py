@@ -25,19 +25,17 @@ to the balance reference beside the ratio, and mean search seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import textwrap
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from embshard.data.split import SeenTables, check_unseen, seen_by_checkpoint
-from embshard.data.tasks import neuroshard_tasks, split_pool, table_pool_from_dataset, write_tasks
+from embshard.data.tasks import neuroshard_tasks, split_pool, table_pool_from_dataset, without_histograms, write_tasks
 from embshard.errors import InputError
 from embshard.io import save_png, write_json_atomic, write_text_atomic
-from embshard.report import summarize_results
+from embshard.report import summaries_by_setting
 from embshard.search.rl.stage import heuristic_baselines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +96,7 @@ def make_tasks(args: argparse.Namespace) -> None:
                                  seed=args.seed * 100 + offset, name_prefix=f"rl-{'val' if args.split == 'validation' else 'eval'}-{name}")
         if not histograms:  # what a user brings: rows, dim, pooling factor; no trace either,
             # so the evaluator draws indices from the calibrated synthetic law
-            tasks = [replace(t, tables=tuple(replace(tb, reuse_histogram=None, trace=None) for tb in t.tables)) for t in tasks]
+            tasks = [without_histograms(t) for t in tasks]
         try:  # no task holds a table any checkpoint was trained or tuned on
             check_unseen(tasks, seen, pool=args.dataset)
         except InputError as e:
@@ -110,17 +108,8 @@ def make_tasks(args: argparse.Namespace) -> None:
 
 def summarize(args: argparse.Namespace) -> None:
     runs = Path(args.runs)
-    summary = {}
-    for name in list(SETTINGS) + sorted(p.name for p in runs.iterdir() if p.is_dir() and p.name not in SETTINGS):
-        f = runs / name / "report.json"
-        if f.is_file():
-            summary[name] = summarize_results(json.loads(f.read_text()))
-            for extra in args.extra:  # a later pass on the same tasks: its algorithms, against its own heuristics
-                g = Path(extra) / name / "report.json"
-                if g.is_file():
-                    for a, m in summarize_results(json.loads(g.read_text())).items():
-                        if a not in summary[name]:
-                            summary[name][a] = dict(m, run=str(Path(extra)))
+    # --extra: a later pass on the same tasks, its algorithms against its own heuristics
+    summary = summaries_by_setting(runs, SETTINGS, args.extra)
     if not summary:
         sys.exit(f"error: no <setting>/report.json under {runs}")
     out = Path(args.out)

@@ -404,3 +404,27 @@ def test_summarize_improvement_prints_the_paired_mean_beside_its_interval(tmp_pa
     line_b = next(x for x in out.splitlines() if x.startswith("b "))
     assert "ratio 1.200 (paired 1.200x [" in line_b and "] worse)" in line_b and "WORSE beyond the interval" in line_b
     assert "worse beyond the interval on 1)" in out
+
+
+def test_summaries_by_setting_orders_settings_and_fills_in_an_extra_runs_algorithms(tmp_path):
+    import json
+
+    def row(task, algorithm, cost):
+        return {"task": task, "algorithm": algorithm, "valid": True, "measured_cost_ms": cost,
+                "memory_bytes": [1, 1], "measured_spread_ms": 0.0, "search_seconds": 0.1}
+
+    def write(run, setting, rows):
+        (tmp_path / run / setting).mkdir(parents=True)
+        (tmp_path / run / setting / "report.json").write_text(json.dumps({"results": rows}))
+
+    write("main", "zeta", [row("a", "size_greedy", 10.0), row("a", "autoshard", 8.0)])
+    write("main", "alpha", [row("b", "size_greedy", 10.0), row("b", "autoshard", 12.0)])
+    write("main", "other", [row("c", "size_greedy", 10.0)])
+    # the later pass: its own heuristic run beside dreamshard; autoshard there must not replace main's
+    write("extra", "zeta", [row("a", "size_greedy", 20.0), row("a", "dreamshard", 15.0), row("a", "autoshard", 1.0)])
+    got = report.summaries_by_setting(tmp_path / "main", ["zeta", "alpha", "missing"], [tmp_path / "extra"])
+    assert list(got) == ["zeta", "alpha", "other"]  # named ones in order (missing skipped), then the rest
+    assert got["zeta"]["autoshard"]["mean_cost_ms"] == 8.0 and "run" not in got["zeta"]["autoshard"]
+    assert got["zeta"]["dreamshard"]["run"] == str(tmp_path / "extra")
+    assert got["zeta"]["dreamshard"]["mean_ratio"] == pytest.approx(0.75)  # 15 / its own heuristic's 20
+    assert "dreamshard" not in got["alpha"]

@@ -79,6 +79,31 @@ def summarize_results(report: dict[str, Any], heuristics: Sequence[str] = HEURIS
     return out
 
 
+def summaries_by_setting(runs: str | os.PathLike, settings: Sequence[str],
+                         extra: Sequence[str | os.PathLike] = ()) -> dict[str, dict[str, dict[str, Any]]]:
+    """`summarize_results` of every `<runs>/<setting>/report.json`: the named settings first, in
+    their order, then any other folder by name. An `extra` run of the same tasks (a later pass
+    with other algorithms, judged against its own heuristics) adds the algorithms the main run
+    lacks, each marked with `run`."""
+    import json
+    from pathlib import Path
+
+    runs = Path(runs)
+    names = list(settings) + sorted(p.name for p in runs.iterdir() if p.is_dir() and p.name not in settings)
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    for name in names:
+        f = runs / name / "report.json"
+        if not f.is_file():
+            continue
+        summary[name] = summarize_results(json.loads(f.read_text()))
+        for run in extra:
+            g = Path(run) / name / "report.json"
+            if g.is_file():
+                for a, m in summarize_results(json.loads(g.read_text())).items():
+                    summary[name].setdefault(a, dict(m, run=str(Path(run))))
+    return summary
+
+
 def paired_samples_ratio(a: Result, b: Result) -> RatioSummary | None:
     """a / b within one task, from the two plans' per-repetition measured costs (paired by
     repetition: measured in the same interleaved visit); None without paired samples."""

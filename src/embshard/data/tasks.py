@@ -24,6 +24,7 @@ import argparse
 import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -380,6 +381,12 @@ def dreamshard_tasks(
         write_tasks(out["test"], out_dir / "test")
         write_json_atomic(out_dir / "split.json", split)
     return out
+
+
+def without_histograms(task: Task) -> Task:
+    """`task` as a user describes it: tables by rows, dim and pooling factor only, no reuse
+    histogram and no trace (the evaluator then draws indices from the calibrated synthetic law)."""
+    return replace(task, tables=tuple(replace(t, reuse_histogram=None, trace=None) for t in task.tables))
 
 
 def write_tasks(tasks: Sequence[Task], out_dir: str | os.PathLike) -> list[Path]:

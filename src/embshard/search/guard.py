@@ -52,6 +52,26 @@ def heuristic_sharders() -> dict[str, Callable[[], Sharder]]:
     return out
 
 
+class GuardSlot:
+    """What a guarded sharder (NeuroShard, the portfolio) shares: the evaluator shard.py
+    attaches under evaluate=measured, and `verify` ('auto' or a count) resolved against it."""
+
+    evaluator: Any = None
+    verify: int | str = "auto"
+
+    def attach_evaluator(self, evaluator: Any) -> None:
+        """The hardware the guard measures on (`HardwareEvaluator`); None detaches it."""
+        self.evaluator = evaluator
+
+    @property
+    def verify_count(self) -> int:
+        """Plans of the search the guard measures: `verify`, or under 'auto' 3 with an
+        evaluator attached and 0 without."""
+        if self.verify == "auto":
+            return 3 if self.evaluator is not None else 0
+        return int(self.verify)
+
+
 @dataclass
 class GuardResult:
     """What the measured guard did for one task (report.json: `guard`)."""

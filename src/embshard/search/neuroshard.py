@@ -57,7 +57,7 @@ from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities
 from embshard.search.greedy import (DEFAULT_CAPS, GRID_MAX_WORK, INCREMENTAL_MIN_DEVICES, MAX_CANDIDATE_DEVICES,
                                     Candidate, GreedyPartitioner, GreedyResult)
-from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, MeasuredGuard, heuristic_sharders
+from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_sharders
 from embshard.search.pieces import FREE, PieceBook, PieceSpec, halvable, halve, initial_state, row_split
 from embshard.search.simulator import Simulator, scale_costs
 from embshard.tables import Table
@@ -257,7 +257,7 @@ class NeuroShardSearch:
 
 
 # ----------------------------------------------------------------------------- sharder
-class NeuroShardSharder:
+class NeuroShardSharder(GuardSlot):
     """NeuroShard (`search=neuroshard`): greedy grid + split beam against cost models.
 
     Args:
@@ -401,16 +401,6 @@ class NeuroShardSharder:
         if b not in self._simulators:
             self._simulators[b] = Simulator(self.models().family.at_batch(b), self.delay_round_ms)
         return self._simulators[b]
-
-    def attach_evaluator(self, evaluator: Any) -> None:
-        """The hardware the guard measures on (`HardwareEvaluator`); None detaches it."""
-        self.evaluator = evaluator
-
-    @property
-    def verify_count(self) -> int:
-        if self.verify == "auto":
-            return 3 if self.evaluator is not None else 0
-        return int(self.verify)
 
     # ------------------------------------------------------------------ Sharder
     def search(self, task: Task) -> NeuroShardSearch:

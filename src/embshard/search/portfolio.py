@@ -31,7 +31,7 @@ from embshard.costs.predictor import DEFAULT_CHECKPOINT, load_models
 from embshard.errors import EmbshardError, InfeasibleError, InputError
 from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities, Sharder
-from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, MeasuredGuard, heuristic_sharders
+from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_sharders
 from embshard.task import Task
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def default_members() -> dict[str, Sharder]:
     return out
 
 
-class PortfolioSharder:
+class PortfolioSharder(GuardSlot):
     """The portfolio planner (module docstring).
 
     Args:
@@ -112,16 +112,7 @@ class PortfolioSharder:
         self.last_search_info: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ GuardedSharder
-    def attach_evaluator(self, evaluator: Any) -> None:
-        """The hardware the guard measures on (`HardwareEvaluator`); None detaches it. The
-        members never measure."""
-        self.evaluator = evaluator
-
-    @property
-    def verify_count(self) -> int:
-        if self.verify == "auto":
-            return 3 if self.evaluator is not None else 0
-        return int(self.verify)
+    # attach_evaluator and verify_count: GuardSlot (the members never measure)
 
     def ranking_model(self) -> tuple[CostModel, dict[str, Any]]:
         """(the cost model that ranks, what report.json says about it), loaded once."""
