@@ -130,31 +130,20 @@ def summarize(args: argparse.Namespace) -> None:
 
 
 def markdown(summary: dict) -> str:
-    settings = list(summary)
-    algorithms = list(dict.fromkeys(a for s in settings for a in summary[s]))
+    from embshard.report import settings_markdown
+
+    def cell(m: dict) -> str:
+        ci = m.get("ratio_ci")
+        ratio = f"{m['mean_ratio']:.3f}" + (f" [{ci['low']:.3f}, {ci['high']:.3f}] {ci['verdict']}" if ci else "")
+        gap = f"; gap {m['mean_gap_pct']:+.1f}%" if m.get("mean_gap_pct") is not None else ""
+        return (f"{m['mean_cost_ms']:.1f} ({ratio}, {m['worse_beyond_interval']}/{m['tasks']} worse{gap})"
+                + (f" {m['invalid']} invalid" if m["invalid"] else ""))
+
     lines = ["Mean measured plan cost (ms); in brackets the ratio to the best of the six heuristics per task: mean "
              "[bootstrap 95% interval over tasks] verdict, tasks worse beyond their own interval; then the mean gap "
-             "to the balance reference.", "",
-             "| algorithm | " + " | ".join(f"{LABELS.get(s, s)} ({s})" for s in settings) + " |",
-             "|---" * (len(settings) + 1) + "|"]
-    for a in algorithms:
-        cells = []
-        for s in settings:
-            m = summary[s].get(a)
-            if not m or not m.get("tasks"):
-                cells.append("-")
-                continue
-            ci = m.get("ratio_ci")
-            ratio = f"{m['mean_ratio']:.3f}" + (f" [{ci['low']:.3f}, {ci['high']:.3f}] {ci['verdict']}" if ci else "")
-            gap = f"; gap {m['mean_gap_pct']:+.1f}%" if m.get("mean_gap_pct") is not None else ""
-            cells.append(f"{m['mean_cost_ms']:.1f} ({ratio}, {m['worse_beyond_interval']}/{m['tasks']} worse{gap})"
-                         + (f" {m['invalid']} invalid" if m["invalid"] else ""))
-        lines.append(f"| {a} | " + " | ".join(cells) + " |")
-    lines += ["", "| mean search seconds | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
-    for a in algorithms:
-        lines.append(f"| {a} | " + " | ".join(
-            f"{summary[s][a]['mean_search_seconds']:.2f}" if summary[s].get(a, {}).get("tasks") else "-"
-            for s in settings) + " |")
+             "to the balance reference.", ""]
+    lines += settings_markdown(summary, cell, [f"{LABELS.get(s, s)} ({s})" for s in summary])
+    lines += [""] + settings_markdown(summary, lambda m: f"{m['mean_search_seconds']:.2f}", first="mean search seconds")
     return "\n".join(lines) + "\n"
 
 

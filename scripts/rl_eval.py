@@ -35,7 +35,7 @@ from embshard.data.split import SeenTables, check_unseen, seen_by_checkpoint
 from embshard.data.tasks import neuroshard_tasks, split_pool, table_pool_from_dataset, without_histograms, write_tasks
 from embshard.errors import InputError
 from embshard.io import save_png, write_json_atomic, write_text_atomic
-from embshard.report import summaries_by_setting
+from embshard.report import settings_markdown, summaries_by_setting
 from embshard.search.rl.stage import heuristic_baselines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,38 +122,26 @@ def summarize(args: argparse.Namespace) -> None:
 
 
 def markdown(summary: dict) -> str:
-    settings = list(summary)
-    algorithms = list(dict.fromkeys(a for s in settings for a in summary[s]))
+    def cell(m: dict) -> str:
+        ci = m.get("ratio_ci")
+        ratio = (f"{m['mean_ratio']:.3f} [{ci['low']:.3f}, {ci['high']:.3f}] {ci['verdict']}" if ci else
+                 f"{m['mean_ratio']:.3f} [{m['ratio_p25']:.2f}-{m['ratio_p75']:.2f}]")
+        gap = f"; gap {m['mean_gap_pct']:+.1f}%" if m.get("mean_gap_pct") is not None else ""
+        return (f"{m['mean_cost_ms']:.1f}{' †' if 'run' in m else ''} ({ratio}, {m['beats_best_heuristic']}/"
+                f"{m['tasks']}{gap})" + (f" {m['invalid']} invalid" if m["invalid"] else ""))
+
     lines = ["mean measured plan cost (ms); in brackets: ratio to the best heuristic per task, mean [bootstrap 95% "
              "interval over tasks] and verdict (from two tasks up; one task: [25th-75th pct]), tasks better than the best "
              "heuristic; then the mean gap to the balance reference (plan cost above mean device compute + the slowest "
-             "device's comm)", "",
-             "| algorithm | " + " | ".join(LABELS.get(s, s) for s in settings) + " |",
-             "|---" * (len(settings) + 1) + "|"]
-    for a in algorithms:
-        cells = []
-        for s in settings:
-            m = summary[s].get(a)
-            if not m or not m.get("tasks"):
-                cells.append("-")
-                continue
-            ci = m.get("ratio_ci")
-            ratio = (f"{m['mean_ratio']:.3f} [{ci['low']:.3f}, {ci['high']:.3f}] {ci['verdict']}" if ci else
-                     f"{m['mean_ratio']:.3f} [{m['ratio_p25']:.2f}-{m['ratio_p75']:.2f}]")
-            gap = f"; gap {m['mean_gap_pct']:+.1f}%" if m.get("mean_gap_pct") is not None else ""
-            cells.append(f"{m['mean_cost_ms']:.1f}{' †' if 'run' in m else ''} ({ratio}, {m['beats_best_heuristic']}/"
-                         f"{m['tasks']}{gap})" + (f" {m['invalid']} invalid" if m["invalid"] else ""))
-        lines.append(f"| {a} | " + " | ".join(cells) + " |")
-    extra = sorted({m["run"] for s in settings for m in summary[s].values() if "run" in m})
+             "device's comm)", ""]
+    lines += settings_markdown(summary, cell, [LABELS.get(s, s) for s in summary])
+    extra = sorted({m["run"] for s in summary for m in summary[s].values() if "run" in m})
     if extra:
         lines += ["", f"† measured in a separate pass (`--extra {' '.join(extra)}`) on the same tasks with the six heuristics: "
                   "its ratio is to the best heuristic of that pass; its ms are not comparable with the other rows "
                   "(another time on a shared machine)."]
-    lines += ["", "mean search seconds per task", "", "| algorithm | " + " | ".join(settings) + " |",
-              "|---" * (len(settings) + 1) + "|"]
-    for a in algorithms:
-        lines.append(f"| {a} | " + " | ".join(
-            f"{summary[s][a]['mean_search_seconds']:.3f}" if summary[s].get(a, {}).get("tasks") else "-" for s in settings) + " |")
+    lines += ["", "mean search seconds per task", ""]
+    lines += settings_markdown(summary, lambda m: f"{m['mean_search_seconds']:.3f}")
     return "\n".join(lines) + "\n"
 
 

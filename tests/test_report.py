@@ -428,3 +428,12 @@ def test_summaries_by_setting_orders_settings_and_fills_in_an_extra_runs_algorit
     assert got["zeta"]["dreamshard"]["run"] == str(tmp_path / "extra")
     assert got["zeta"]["dreamshard"]["mean_ratio"] == pytest.approx(0.75)  # 15 / its own heuristic's 20
     assert "dreamshard" not in got["alpha"]
+
+
+def test_settings_markdown_rows_by_first_appearance_and_a_dash_without_tasks():
+    summary = {"s1": {"a": {"tasks": 2, "x": 1.0}, "b": {"tasks": 0, "x": 9.0}},
+               "s2": {"c": {"tasks": 1, "x": 3.0}, "a": {"tasks": 1, "x": 2.5}}}
+    lines = report.settings_markdown(summary, lambda m: f"{m['x']:.1f}", ["S one", "S two"])
+    assert lines == ["| algorithm | S one | S two |", "|---|---|---|",
+                     "| a | 1.0 | 2.5 |", "| b | - | - |", "| c | - | 3.0 |"]
+    assert report.settings_markdown(summary, lambda m: "y", first="seconds")[0] == "| seconds | s1 | s2 |"

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence, TypeVar
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from embshard.errors import EmbshardError, nearest_name
@@ -93,8 +93,6 @@ def refuse_additions(argv: Sequence[str], config_dir: Path, config_name: str, en
     """Hydra's `+key=value` adds a key: one the entry point never reads (silently ignored), or,
     for a key it has (`+algorithm=X`), a Hydra error several lines long. `~key` (Hydra's delete)
     removes a key it reads: a traceback. Either way: one `error:` line, exit 2."""
-    from omegaconf import OmegaConf
-
     for arg in argv:
         if arg.startswith("~"):
             _exit_2(f"{arg}: {entry}'s keys cannot be removed; give {arg[1:].partition('=')[0]} a value instead; "

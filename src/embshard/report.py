@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import mean
 from typing import Any, Callable, Sequence
 
@@ -85,9 +87,6 @@ def summaries_by_setting(runs: str | os.PathLike, settings: Sequence[str],
     their order, then any other folder by name. An `extra` run of the same tasks (a later pass
     with other algorithms, judged against its own heuristics) adds the algorithms the main run
     lacks, each marked with `run`."""
-    import json
-    from pathlib import Path
-
     runs = Path(runs)
     names = list(settings) + sorted(p.name for p in runs.iterdir() if p.is_dir() and p.name not in settings)
     summary: dict[str, dict[str, dict[str, Any]]] = {}
@@ -102,6 +101,21 @@ def summaries_by_setting(runs: str | os.PathLike, settings: Sequence[str],
                 for a, m in summarize_results(json.loads(g.read_text())).items():
                     summary[name].setdefault(a, dict(m, run=str(Path(run))))
     return summary
+
+
+def settings_markdown(summary: dict[str, dict[str, dict[str, Any]]], cell: Callable[[dict[str, Any]], str],
+                      headers: Sequence[str] | None = None, first: str = "algorithm") -> list[str]:
+    """The lines of a markdown table over `summaries_by_setting`'s result: one row per algorithm
+    (in order of first appearance), one column per setting (`headers`, else the settings'
+    names), `cell(m)` of the algorithm's summary there, '-' where it has no task."""
+    settings = list(summary)
+    algorithms = list(dict.fromkeys(a for s in settings for a in summary[s]))
+    lines = [f"| {first} | " + " | ".join(headers if headers is not None else settings) + " |",
+             "|---" * (len(settings) + 1) + "|"]
+    for a in algorithms:
+        lines.append(f"| {a} | " + " | ".join(cell(summary[s][a]) if summary[s].get(a, {}).get("tasks") else "-"
+                                             for s in settings) + " |")
+    return lines
 
 
 def paired_samples_ratio(a: Result, b: Result) -> RatioSummary | None:
