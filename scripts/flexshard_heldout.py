@@ -15,7 +15,11 @@ of 4 fit + 2 held-out steps. `claims` reads shard.py reports (evaluate=traffic) 
 per task, FlexShard's modeled inter-host all-to-all and modeled communication time against
 the better of row_wise / table_row_wise and the better of row_wise_dedup / hugectr_hybrid,
 the mean over tasks with its bootstrap interval, the worst task, and which targets are met
-(claims.md, claims.json).
+(claims.md, claims.json). Beside them, per task, the placement floor
+(`embshard.flexshard.floor`): the least modeled communication any placement of rows can have
+on the same replayed steps when every copy is current after every step (expected over the
+dealing of samples to hosts), read from the task and the replay steps each report's
+config.yaml names; a target below the floor is out of reach of every plan, not only FlexShard's.
 """
 
 from __future__ import annotations
@@ -65,11 +69,33 @@ def _value(result: dict, key: str) -> float | None:
     return float(result["modeled_comm_ms"])
 
 
-def claims(reports: list[Path]) -> dict:
-    """Per task, FlexShard's ratios to the better reference of each pair (TARGETS)."""
+def report_floors(report_path: Path) -> dict[str, dict]:
+    """The placement floor of every task of one evaluate=traffic report, on the steps it replayed
+    (task_file and traffic.* of the config.yaml shard.py wrote beside it)."""
+    from omegaconf import OmegaConf
+
+    from embshard.flexshard.floor import placement_floor
+    from embshard.flexshard.traffic import TrafficEvaluator, global_batches
+    from embshard.task import load_tasks
+
+    config = report_path.parent / "config.yaml"
+    if not config.is_file():
+        raise SystemExit(f"error: {report_path}: no config.yaml beside it to name its tasks and replayed steps")
+    cfg = OmegaConf.load(config)
+    split = TrafficEvaluator(cfg.traffic.fit_batches, cfg.traffic.eval_batches, cfg.traffic.seed).split
+    out = {}
+    for task in load_tasks(cfg.task_file):
+        out[task.name] = placement_floor(task, global_batches(task, split.eval_steps, split.seed)).to_dict()
+    return out
+
+
+def claims(reports: list[Path], floors: bool = True) -> dict:
+    """Per task, FlexShard's ratios to the better reference of each pair (TARGETS), and where
+    `floors`, the placement floor's ratio to the same reference."""
     tasks = []
     for path in reports:
         report = json.loads(path.read_text())
+        floor_of = report_floors(path) if floors else {}
         by_task: dict[str, dict[str, dict]] = {}
         for r in report["results"]:
             by_task.setdefault(r["task"], {})[r["algorithm"]] = r
@@ -88,6 +114,11 @@ def claims(reports: list[Path]) -> dict:
                     raise SystemExit(f"error: {path}: task {name!r} has no valid plan of {' or '.join(pair)}")
                 best = min(refs, key=refs.get)
                 row[key] = {"reference": best, "ratio": row[metric]["flexshard"] / refs[best]}
+                if name in floor_of and metric == "modeled_comm_ms":
+                    row[key]["floor_ratio"] = floor_of[name]["expected_ms"] / refs[best]
+            if name in floor_of:
+                row["floor"] = floor_of[name]
+                row["flexshard_over_floor"] = row["modeled_comm_ms"]["flexshard"] / floor_of[name]["expected_ms"]
             tasks.append(row)
     summary = {}
     for key, (target, _) in TARGETS.items():
@@ -98,13 +129,25 @@ def claims(reports: list[Path]) -> dict:
                         "worst": worst[key]["ratio"], "worst_task": worst["task"],
                         "tasks_meeting": sum(r <= target for r in ratios), "tasks": len(ratios),
                         "mean_met": s.mean <= target, "worst_met": worst[key]["ratio"] <= target}
+        floor_ratios = [t[key]["floor_ratio"] for t in tasks if "floor_ratio" in t[key]]
+        if floor_ratios and len(floor_ratios) == len(tasks):
+            summary[key].update(floor_mean=float(np.mean(floor_ratios)),
+                                tasks_within_reach=sum(r <= target for r in floor_ratios))
+    over = [t["flexshard_over_floor"] for t in tasks if "flexshard_over_floor" in t]
+    if over and len(over) == len(tasks):
+        s = paired_ratio_summary(over)
+        summary["flexshard_over_floor"] = {"mean": s.mean, "low": s.low, "high": s.high, "worst": max(over),
+                                           "tasks": len(over)}
     return {"tasks": tasks, "summary": summary}
 
 
 def markdown(result: dict) -> str:
+    floors = all("floor" in row for row in result["tasks"])
     head = ("| task | FlexShard modeled comm ms | row_wise | table_row_wise | row_wise_dedup | hugectr_hybrid | "
             "inter-host a2a vs better of rw/twrw | comm vs better of rw/twrw | comm vs better of rw_dedup/hugectr |")
-    lines = [head, "|" + "---|" * 9]
+    if floors:
+        head += " floor ms | FlexShard / floor | floor vs better of rw/twrw | floor vs better of rw_dedup/hugectr |"
+    lines = [head, "|" + "---|" * (13 if floors else 9)]
 
     def ms(row: dict, algo: str) -> str:
         v = row["modeled_comm_ms"].get(algo)
@@ -116,17 +159,33 @@ def markdown(result: dict) -> str:
         for key in TARGETS:
             c = row[key]
             cells.append(f"{c['ratio']:.3f}x ({c['reference']})")
+        if floors:
+            cells += [f"{row['floor']['expected_ms']:.3f}", f"{row['flexshard_over_floor']:.3f}x",
+                      f"{row['comm_ms_vs_row_wise']['floor_ratio']:.3f}x",
+                      f"{row['comm_ms_vs_dedup_baselines']['floor_ratio']:.3f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| claim | target (FlexShard / reference) | mean over tasks [95% bootstrap] | worst task | "
               "tasks meeting it |", "|---|---|---|---|---|"]
     names = {"inter_host_a2a_vs_row_wise": "inter-host all-to-all vs the better of row_wise / table_row_wise",
              "comm_ms_vs_row_wise": "modeled comm vs the better of row_wise / table_row_wise",
              "comm_ms_vs_dedup_baselines": "modeled comm vs the better of row_wise_dedup / hugectr_hybrid"}
-    for key, s in result["summary"].items():
+    for key in TARGETS:
+        s = result["summary"][key]
         verdict = lambda ok: "met" if ok else "**not met**"  # noqa: E731
         lines.append(f"| {names[key]} | <= {s['target_ratio_at_most']:.3f}x | {s['mean']:.3f}x [{s['low']:.3f}, "
                      f"{s['high']:.3f}]: {verdict(s['mean_met'])} | {s['worst']:.3f}x ({s['worst_task']}): "
                      f"{verdict(s['worst_met'])} | {s['tasks_meeting']} of {s['tasks']} |")
+    if floors:
+        lines += ["", "The floor (no placement of rows goes below it; `embshard.flexshard.floor`) against the same "
+                  "references:", "", "| claim | target | floor's ratio, mean over tasks | tasks where the target "
+                  "is above the floor (reachable at all) |", "|---|---|---|---|"]
+        for key in ("comm_ms_vs_row_wise", "comm_ms_vs_dedup_baselines"):
+            s = result["summary"][key]
+            lines.append(f"| {names[key]} | <= {s['target_ratio_at_most']:.3f}x | {s['floor_mean']:.3f}x | "
+                         f"{s['tasks_within_reach']} of {s['tasks']} |")
+        o = result["summary"]["flexshard_over_floor"]
+        lines += ["", f"FlexShard's modeled comm over the floor: mean {o['mean']:.3f}x [{o['low']:.3f}, {o['high']:.3f}] "
+                  f"over {o['tasks']} tasks, worst {o['worst']:.3f}x."]
     return "\n".join(lines) + "\n"
 
 
@@ -140,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("claims", help="FlexShard's ratios per task from shard.py reports")
     c.add_argument("reports", type=Path, nargs="+")
     c.add_argument("--out", type=Path, required=True, help="writes OUT.md and OUT.json")
+    c.add_argument("--no-floor", action="store_true", help="skip the placement floor (needs the tasks' traces)")
     args = ap.parse_args(argv)
     if args.command == "tasks":
         if args.num_tasks < 1:
@@ -151,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: no such report(s): {', '.join(missing)}", file=sys.stderr)
         return 2
-    result = claims(args.reports)
+    result = claims(args.reports, floors=not args.no_floor)
     write_json_atomic(args.out.with_suffix(".json"), result)
     write_text_atomic(args.out.with_suffix(".md"), markdown(result))
     print(markdown(result))

@@ -449,6 +449,24 @@ def test_shard_evaluate_traffic_contract(tmp_path):
     assert by["flexshard"]["modeled_comm_ms"] < by["row_wise"]["modeled_comm_ms"]
     assert (out / "traffic.png").read_bytes()[:4] == b"\x89PNG"
 
+    # the claims script finds the task and the replayed step from the config.yaml beside the report
+    import importlib.util
+
+    from embshard.flexshard.floor import placement_floor
+    from embshard.flexshard.traffic import global_batches
+
+    spec = importlib.util.spec_from_file_location("flexshard_heldout", ROOT / "scripts" / "flexshard_heldout.py")
+    heldout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(heldout)
+    result = heldout.claims([out / "report.json"])
+    row, = result["tasks"]
+    want = placement_floor(task, global_batches(task, range(2, 3), 0))  # fit 2 steps, replay step 2
+    assert row["floor"]["expected_ms"] == pytest.approx(want.expected_ms) and want.expected_ms > 0
+    assert row["flexshard_over_floor"] == pytest.approx(by["flexshard"]["modeled_comm_ms"] / want.expected_ms)
+    assert row["comm_ms_vs_row_wise"]["floor_ratio"] == pytest.approx(
+        want.expected_ms / min(by["row_wise"]["modeled_comm_ms"], by["table_row_wise"]["modeled_comm_ms"]))
+    assert "| floor ms |" in heldout.markdown(result)
+
 
 @pytest.mark.parametrize("change, message", [
     ({"hosts": 3}, "must equal num_devices"),
