@@ -103,10 +103,11 @@ class RLSharder:
 
 
     def trusted_estimate(self, task: Task, plan: Plan, network_ms: float) -> dict[str, Any]:
-        """What this planner reports as its plan's estimate: its cost network's, unless that is
-        more than FAR_FACTOR times off the analytic model's estimate of the same quantity
-        (the network extrapolating far outside what it was trained on: more tables or devices,
-        another batch); then the analytic model's, with the reason. `of` names the quantity:
+        """What this planner reports as its plan's estimate: its cost network's, unless the task
+        lies outside the device counts and batches the network was trained on (as NeuroShard's
+        comm models answer only inside theirs) or the network's answer is more than FAR_FACTOR
+        times off the analytic model's estimate of the same quantity; then the analytic model's,
+        with the reason. The plan is the policy's either way. `of` names the quantity:
         DreamShard estimates the plan cost, AutoShard the slowest device's compute."""
         from embshard.costs.analytic import AnalyticCostModel
         from embshard.costs.neural.models import FAR_FACTOR
@@ -114,12 +115,28 @@ class RLSharder:
         costs = AnalyticCostModel().device_costs(task, plan)
         of = "plan cost" if self.algorithm == "dreamshard" else "slowest device's compute"
         ref = costs.plan_cost_ms if self.algorithm == "dreamshard" else max(costs.compute_ms)
+        where = (f"{len(task.tables)} tables, {task.num_devices} devices, batch {task.batch_size}; "
+                 f"trained on {self._trained()}")
+        outside = self._outside_training(task)
+        if outside:
+            return {"ms": float(ref), "of": of, "source": "analytic",
+                    "reason": f"the task's {outside} lies outside what the cost network was trained on ({where})"}
         if ref > 0 and 1.0 / FAR_FACTOR <= network_ms / ref <= FAR_FACTOR:
             return {"ms": float(network_ms), "of": of, "source": "cost network"}
         return {"ms": float(ref), "of": of, "source": "analytic",
-                "reason": f"the cost network's estimate is over {FAR_FACTOR:g}x off the analytic model's "
-                          f"({len(task.tables)} tables, {task.num_devices} devices, batch {task.batch_size}; "
-                          f"trained on {self._trained()})"}
+                "reason": f"the cost network's estimate is over {FAR_FACTOR:g}x off the analytic model's ({where})"}
+
+    def _outside_training(self, task: Task) -> str | None:
+        """'device count' or 'batch' where the task is outside the checkpoint's training range
+        (batch with the 2% tolerance of the cost models' envelope); None inside, or when the
+        checkpoint does not record its range."""
+        card = (self.bundle or {}).get("data_card") or {}
+        devices, batches = card.get("device_counts"), card.get("batch_sizes")
+        if devices and not min(devices) <= task.num_devices <= max(devices):
+            return "device count"
+        if batches and not min(batches) / 1.02 <= task.batch_size <= max(batches) * 1.02:
+            return "batch"
+        return None
 
     def _trained(self) -> str:
         card = (self.bundle or {}).get("data_card") or {}
