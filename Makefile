@@ -252,8 +252,13 @@ planner-bench: $(STAMP)
 # PE_TASKS=24 (an estimate; the tiny check below, 1 task per setting, took 29 min). The tiny check:
 #   make portfolio-eval PE=/tmp/pe PE_TASKS=1 PE_MEASURE=quick \
 #     PE_EXTRA="searchers.neuroshard.verify_budget_s=10 searchers.portfolio.verify_budget_s=10"
+# In batches: PE_FIRST is the first task's index per setting (task i is the same in every batch),
+# PE_MORE the runs folders of earlier batches, whose tasks join the summary, e.g.
+#   make portfolio-eval PE=experiments/pe_b2 PE_TASKS=3 PE_FIRST=3 PE_MORE=experiments/pe_b1/runs
 PE ?= experiments/portfolio_eval
 PE_TASKS ?= 24
+PE_FIRST ?= 0
+PE_MORE ?=
 PE_MEASURE ?= cpu
 PE_ROUNDS ?= 2
 PE_EXTRA ?=
@@ -261,12 +266,12 @@ PE_ALGOS := [random,round_robin,size_greedy,dim_greedy,lookup_greedy,size_lookup
 PE_SETTINGS := 20-30x4 20-30x2 20-30x8 8-12x4 40-48x4 20-30x4-nohist
 
 portfolio-eval: $(STAMP)
-	$(PY) scripts/portfolio_eval.py tasks --num-tasks $(PE_TASKS) --out $(PE)/tasks
+	$(PY) scripts/portfolio_eval.py tasks --num-tasks $(PE_TASKS) --first-task $(PE_FIRST) --out $(PE)/tasks
 	for s in $(PE_SETTINGS); do \
 		$(PY) shard.py task_file=$(PE)/tasks/$$s algorithms=$(PE_ALGOS) evaluate=measured measure=$(PE_MEASURE) \
 			rounds=$(PE_ROUNDS) plot=false $(PE_EXTRA) out_dir=$(PE)/runs/$$s || exit 1; \
 	done
-	$(PY) scripts/portfolio_eval.py summarize $(PE)/runs --out $(PE)
+	$(PY) scripts/portfolio_eval.py summarize $(PE)/runs $(PE_MORE) --out $(PE)
 
 # Planning time and estimates at scale (docs/portfolio.md, "Scale"): every planner at 856 x 128 and
 # 5,384 x 1,024 (no measuring; a few minutes).

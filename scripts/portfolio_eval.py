@@ -88,7 +88,7 @@ def make_tasks(args: argparse.Namespace) -> None:
             sys.exit(f"error: setting {name} needs {hi} tables; the split has {len(test)} test tables "
                      "(a bigger pool: --pool-tables)")
         tasks = []
-        for i in range(args.num_tasks):  # batch 8192 and 16384 in turn
+        for i in range(args.first_task, args.first_task + args.num_tasks):  # batch 8192 and 16384 in turn
             try:
                 (task,) = neuroshard_tasks(test, 1, min_tables=lo, max_tables=hi, dims=[4, 8, 16, 32, 64, 128],
                                            max_total_bytes=args.max_total_bytes, num_devices=devices,
@@ -114,11 +114,15 @@ def make_tasks(args: argparse.Namespace) -> None:
 
 
 def summarize(args: argparse.Namespace) -> None:
+    from embshard.errors import InputError
     from embshard.io import write_json_atomic, write_text_atomic
     from embshard.report import summaries_by_setting
 
-    runs = Path(args.runs)
-    summary = summaries_by_setting(runs, SETTINGS)
+    runs = Path(args.runs[0])
+    try:
+        summary = summaries_by_setting(runs, SETTINGS, more=args.runs[1:])
+    except InputError as e:
+        sys.exit(f"error: {e}")
     if not summary:
         sys.exit(f"error: no <setting>/report.json under {runs}")
     text = markdown(summary) + "\n" + aims(summary)
@@ -198,14 +202,18 @@ def main() -> None:
                    help="checkpoints whose train and validation tables no task may hold")
     t.add_argument("--out", default=str(ROOT / "experiments" / "portfolio_eval" / "tasks"))
     t.add_argument("--num-tasks", type=int, default=24)
+    t.add_argument("--first-task", type=int, default=0,
+                   help="index of the first task per setting (a later batch: tasks are the same for the same index)")
     t.add_argument("--validation-fraction", type=float, default=0.25)
     t.add_argument("--test-fraction", type=float, default=0.25)
     t.add_argument("--seed", type=int, default=0, help="the split's seed")
     t.add_argument("--max-total-bytes", type=int, default=1 << 30)
     s = sub.add_parser("summarize", help="summarise shard.py reports, one <setting>/report.json each")
-    s.add_argument("runs")
+    s.add_argument("runs", nargs="+", help="the runs folder; more folders add other tasks of the same settings")
     s.add_argument("--out", default=str(ROOT / "experiments" / "portfolio_eval"))
     args = ap.parse_args()
+    if args.cmd == "tasks" and (args.num_tasks < 1 or args.first_task < 0):
+        sys.exit("error: --num-tasks must be at least 1 and --first-task at least 0")
     {"tasks": make_tasks, "summarize": summarize}[args.cmd](args)
 
 

@@ -15,6 +15,7 @@ import pytest
 from embshard import report
 from embshard.compare import Result
 from embshard.costs.base import DeviceCosts
+from embshard.errors import InputError
 from embshard.report import (
     HEURISTICS,
     best_heuristic,
@@ -428,6 +429,13 @@ def test_summaries_by_setting_orders_settings_and_fills_in_an_extra_runs_algorit
     assert got["zeta"]["dreamshard"]["run"] == str(tmp_path / "extra")
     assert got["zeta"]["dreamshard"]["mean_ratio"] == pytest.approx(0.75)  # 15 / its own heuristic's 20
     assert "dreamshard" not in got["alpha"]
+    # a later batch of other tasks joins the main run's tasks; the same task twice is refused
+    write("batch2", "zeta", [row("d", "size_greedy", 10.0), row("d", "autoshard", 6.0)])
+    got = report.summaries_by_setting(tmp_path / "main", ["zeta"], more=[tmp_path / "batch2"])
+    assert got["zeta"]["autoshard"]["tasks"] == 2 and got["zeta"]["autoshard"]["mean_ratio"] == pytest.approx(0.7)
+    assert got["alpha"]["autoshard"]["tasks"] == 1
+    with pytest.raises(InputError, match="task 'a' is also in"):
+        report.summaries_by_setting(tmp_path / "main", ["zeta"], more=[tmp_path / "extra"])
 
 
 def test_settings_markdown_rows_by_first_appearance_and_a_dash_without_tasks():

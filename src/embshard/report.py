@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from embshard.compare import Result
+from embshard.errors import InputError
 from embshard.io import save_png
 from embshard.stats import RatioSummary, paired_ratio_summary
 from embshard.task import Task
@@ -82,11 +83,14 @@ def summarize_results(report: dict[str, Any], heuristics: Sequence[str] = HEURIS
 
 
 def summaries_by_setting(runs: str | os.PathLike, settings: Sequence[str],
-                         extra: Sequence[str | os.PathLike] = ()) -> dict[str, dict[str, dict[str, Any]]]:
+                         extra: Sequence[str | os.PathLike] = (),
+                         more: Sequence[str | os.PathLike] = ()) -> dict[str, dict[str, dict[str, Any]]]:
     """`summarize_results` of every `<runs>/<setting>/report.json`: the named settings first, in
-    their order, then any other folder by name. An `extra` run of the same tasks (a later pass
-    with other algorithms, judged against its own heuristics) adds the algorithms the main run
-    lacks, each marked with `run`."""
+    their order, then any other folder by name. `more` runs hold other tasks of the same settings
+    (run separately, e.g. a later batch): their results join the main run's, and a task both
+    hold is an error. An `extra` run of the same tasks (a later pass with other algorithms,
+    judged against its own heuristics) adds the algorithms the main run lacks, each marked with
+    `run`."""
     runs = Path(runs)
     names = list(settings) + sorted(p.name for p in runs.iterdir() if p.is_dir() and p.name not in settings)
     summary: dict[str, dict[str, dict[str, Any]]] = {}
@@ -94,7 +98,16 @@ def summaries_by_setting(runs: str | os.PathLike, settings: Sequence[str],
         f = runs / name / "report.json"
         if not f.is_file():
             continue
-        summary[name] = summarize_results(json.loads(f.read_text()))
+        report = json.loads(f.read_text())
+        for run in more:
+            g = Path(run) / name / "report.json"
+            if g.is_file():
+                results = json.loads(g.read_text())["results"]
+                both = {r["task"] for r in report["results"]} & {r["task"] for r in results}
+                if both:
+                    raise InputError(f"{g}: task {sorted(both)[0]!r} is also in {f}; `more` runs must hold other tasks")
+                report = dict(report, results=report["results"] + results)
+        summary[name] = summarize_results(report)
         for run in extra:
             g = Path(run) / name / "report.json"
             if g.is_file():
