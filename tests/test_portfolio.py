@@ -90,8 +90,9 @@ def test_no_member_with_a_plan_raises_the_members_infeasibility():
 
 @pytest.mark.parametrize("learned_ms, expect", [(8.0, "learned"), (12.0, "size_greedy")])
 def test_guard_returns_the_measured_best_and_names_the_member_and_interval(learned_ms, expect):
-    """Both members' plans are candidates: the learned member's is kept only when measured
-    better than the best heuristic's, beyond the bootstrap interval; otherwise the heuristic's."""
+    """The learned member's plan is the candidate (size_greedy's the guard measures as its
+    heuristic): it is kept only when measured better than the best heuristic's, beyond the
+    bootstrap interval; otherwise the heuristic's."""
     task = tiny_task()
     members = {"learned": Fixed("learned", [0, 1, 0, 1, 1, 0]), "size_greedy": GreedySharder("size")}
     p = PortfolioSharder(members, ranker=None, verify=2, verify_heuristics=["size_greedy"], verify_min_rounds=3,
@@ -105,11 +106,30 @@ def test_guard_returns_the_measured_best_and_names_the_member_and_interval(learn
     assert info["won"] == expect == p.last_guard.chosen
     if expect == "learned":
         assert info["verdict"] == "better" and info["interval"]["high"] < 1.0
-    else:  # the candidates' measured best is the size_greedy member's plan: the heuristic's own
-        assert info["verdict"] == "same plan" and info["interval"] is None
+    else:  # the learned plan (the one candidate: size_greedy is the guard's own) measured worse
+        assert info["verdict"] == "worse" and info["interval"]["low"] > 1.0
     want = members["learned"].shard(task) if expect == "learned" else size_plan
     assert plan.shards == want.shards
     assert p.last_search_pick is not None
+
+
+def test_guard_candidates_are_the_learned_members_even_where_the_ranker_prefers_a_heuristic():
+    """The guard measures its heuristics anyway; `verify` slots go to the best-ranked other
+    members, so a learned plan the ranker puts below a heuristic is still measured."""
+    task = tiny_task()
+    members = {"lopsided": Fixed("lopsided", [0] * 6), "worse": Fixed("worse", [1] * 6),
+               "size_greedy": GreedySharder("size")}
+    p = PortfolioSharder(members, ranker=None, verify=1, verify_heuristics=["size_greedy"], verify_min_rounds=3,
+                         verify_max_rounds=6)
+    evaluator = Scripted({"lopsided": 8.0, "worse": 7.0, "size_greedy": 10.0})
+    p.attach_evaluator(evaluator)
+    plan = p.shard(task)
+    info = p.last_search_info["portfolio"]
+    assert info["ranking"][0] == "size_greedy"  # the analytic ranker: everything on one device is worst
+    # one slot: the better-ranked learned member (lopsided before worse by member order at equal cost)
+    assert set(evaluator.calls[0]) == {"lopsided", "size_greedy"}
+    assert info["won"] == "lopsided" and info["verdict"] == "better"
+    assert plan.shards == members["lopsided"].shard(task).shards
 
 
 def test_members_follow_the_searchers_overrides():

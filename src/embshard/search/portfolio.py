@@ -8,7 +8,8 @@ task, the cost models rank their plans, and with hardware attached the measured 
    `device_costs`, whose all-to-alls fall back to the analytic model where the comm models
    cannot be trusted; None: the analytic model). Without hardware the cheapest is returned.
 3. With an evaluator attached (`shard.py evaluate=measured`; `verify="auto"`: the 3 best),
-   the `verify` best-ranked plans go to the measured guard (`embshard.search.guard`) with the
+   the `verify` best-ranked plans of the members that are not the guard's heuristics (the
+   learned planners' plans) go to the measured guard (`embshard.search.guard`) with the
    heuristics' plans: the best-measured of them is kept only where its paired bootstrap
    interval against the best heuristic's plan lies below 1, else that heuristic's plan is.
 
@@ -65,8 +66,9 @@ class PortfolioSharder(GuardSlot):
         ranker: the cost models that rank the members' plans: a neural checkpoint (relative
             paths from the project root; default: the shipped one), or None for the analytic
             model.
-        verify: with an evaluator attached, measure this many of the best-ranked plans with
-            the guard; "auto": 3 when an evaluator is attached, else 0.
+        verify: with an evaluator attached, measure this many of the best-ranked plans of
+            members that are not the guard's heuristics with the guard (which measures the
+            heuristics' plans anyway); "auto": 3 when an evaluator is attached, else 0.
         verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
             verify_max_rounds: the guard's settings (`MeasuredGuard`).
         name: the algorithm name of the plans.
@@ -176,8 +178,14 @@ class PortfolioSharder(GuardSlot):
                 raise InputError(f"{self.name}: verify > 0 needs a hardware evaluator (shard.py evaluate=measured "
                                  f"attaches one; or set searchers.{self.name}.verify=0)")
             by_label = {m: p for m, p, _ in plans}
+            # the guard measures its heuristics' plans anyway: its `verify` candidates are the
+            # best-ranked plans of the other members (the learned planners), so a learned plan
+            # the ranker misjudges is still measured (a ranker that NeuroShard searched against
+            # favours NeuroShard's plan)
+            own = set(self.guard.heuristics)
+            candidates = [(m, p) for m, p, _ in ranked if m not in own][:k]
             chosen, self.last_guard = self.guard.run(
-                task, [(m, p) for m, p, _ in ranked[:k]], self.evaluator,
+                task, candidates, self.evaluator,
                 lambda p: ranker.device_costs(task, p).plan_cost_ms, self.name)
             won = self.last_guard.chosen
             interval = self.last_guard.decision.get("ratio")
