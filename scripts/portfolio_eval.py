@@ -125,7 +125,7 @@ def summarize(args: argparse.Namespace) -> None:
         sys.exit(f"error: {e}")
     if not summary:
         sys.exit(f"error: no <setting>/report.json under {runs}")
-    text = markdown(summary) + "\n" + aims(summary)
+    text = markdown(summary) + "\n" + aims(summary) + "\n" + pooled([Path(r) for r in args.runs])
     out = Path(args.out)
     write_json_atomic(out / "summary.json", summary)
     write_text_atomic(out / "summary.md", text)
@@ -187,6 +187,46 @@ def aims(summary: dict) -> str:
                      f"({'met' if gap is not None and gap <= PORTFOLIO_GAP_PCT else 'NOT met'})")
     lines.append(f"- portfolio never worse than the best heuristic beyond the interval, mean gap to balance <= "
                  f"{PORTFOLIO_GAP_PCT:g}%: " + "; ".join(cells))
+    return "\n".join(lines) + "\n"
+
+
+def pooled(runs: list[Path]) -> str:
+    """Every setting's tasks together (the settings' own intervals are wide with few tasks): each
+    algorithm's measured cost over the best heuristic's per task, and the portfolio's over
+    NeuroShard's (guarded) per task, the comparison that decides `shard.py`'s default."""
+    import json
+
+    from embshard.report import HEURISTICS
+    from embshard.stats import paired_ratio_summary
+
+    by_task: dict[str, dict[str, float]] = {}
+    for run in runs:
+        for f in sorted(run.glob("*/report.json")):
+            for r in json.loads(f.read_text())["results"]:
+                if r["valid"] and r.get("measured_cost_ms") is not None:
+                    by_task.setdefault(r["task"], {})[r["algorithm"]] = r["measured_cost_ms"]
+    if not by_task:
+        return ""
+    algorithms = list(dict.fromkeys(a for rows in by_task.values() for a in rows))
+    lines = [f"All settings together ({len(by_task)} tasks): measured cost over the best heuristic's per task, "
+             "mean [bootstrap 95% interval over tasks] verdict; tasks:", "",
+             "| algorithm | ratio to the best heuristic | tasks |", "|---|---|---|"]
+
+    def cell(ratios: list[float]) -> str:
+        if len(ratios) < 2:
+            return f"{ratios[0]:.3f}" if ratios else "-"
+        r = paired_ratio_summary(ratios)
+        return f"{r.mean:.3f} [{r.low:.3f}, {r.high:.3f}] {r.verdict}"
+
+    for a in algorithms:
+        ratios = [rows[a] / min(rows[h] for h in HEURISTICS if h in rows)
+                  for rows in by_task.values() if a in rows and any(h in rows for h in HEURISTICS)]
+        lines.append(f"| {a} | {cell(ratios)} | {len(ratios)} |")
+    both = [rows["portfolio"] / rows["neuroshard"] for rows in by_task.values()
+            if "portfolio" in rows and "neuroshard" in rows]
+    if both:
+        lines += ["", f"portfolio over NeuroShard (guarded), per task: {cell(both)} over {len(both)} tasks "
+                  "(the portfolio becomes shard.py's default once this lies below 1)"]
     return "\n".join(lines) + "\n"
 
 

@@ -201,3 +201,22 @@ def test_summaries_give_each_methods_gap_beside_its_ratio(tmp_path):
                            check=True).stdout
     ratio = (9 / 10 + 19 / 20) / 2
     assert f"| portfolio | 14.0 ({ratio:.3f}x; +6.0%) |" in table
+
+
+def test_portfolio_eval_summary_pools_every_setting_and_compares_with_neuroshard(tmp_path):
+    for run, setting, task, costs in [
+        ("b1", "20-30x4", "t1", {"size_greedy": 10.0, "lookup_greedy": 12.0, "neuroshard": 9.0, "portfolio": 8.0}),
+        ("b1", "20-30x2", "t2", {"size_greedy": 20.0, "neuroshard": 20.0, "portfolio": 19.0}),
+        ("b2", "20-30x4", "t3", {"size_greedy": 10.0, "neuroshard": 11.0, "portfolio": 10.0}),  # a later batch
+    ]:
+        (tmp_path / run / setting).mkdir(parents=True)
+        results = [_result(task, a, c, 0.0) for a, c in costs.items()]
+        (tmp_path / run / setting / "report.json").write_text(json.dumps({"results": results}))
+    out = tmp_path / "summary"
+    text = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "summarize",
+                           str(tmp_path / "b1"), str(tmp_path / "b2"), "--out", str(out)],
+                          capture_output=True, text=True, check=True).stdout
+    assert "All settings together (3 tasks)" in text
+    assert f"| portfolio | {(0.8 + 0.95 + 1.0) / 3:.3f} [" in text
+    assert f"portfolio over NeuroShard (guarded), per task: {(8 / 9 + 19 / 20 + 10 / 11) / 3:.3f} [" in text
+    assert json.loads((out / "summary.json").read_text())["20-30x4"]["portfolio"]["tasks"] == 2
