@@ -230,15 +230,17 @@ def test_rl_candidate_devices_plan_validly_and_estimate_the_plan_they_made(cls):
 
 def test_shipped_dreamshard_estimates_far_outside_its_training_from_its_own_network():
     """Item 2: the shipped DreamShard (structured comm heads) was trained on 20-30 tables at 4
-    devices and batch 4096; at 300 tables on 64 devices and batch 65536 its own estimate stays
-    within the trust factor of the analytic model (the previous network's was 1e5-1e6 times it)."""
+    devices and batch 4096; at 300 tables on 64 devices and batch 65536 its own network's
+    estimate stays near the analytic model's (the previous network's was 1e5-1e6 times it),
+    though the planner reports the analytic model's there (outside its training range)."""
     bundle = torch.load(ROOT / "checkpoints" / "dreamshard_cpu" / "policy.pt", map_location="cpu", weights_only=True)
     assert bundle["hparams"]["costnet"]["structured_comm"] is True
     assert set(bundle["data_card"]["split"]) >= {"train", "validation", "test", "keys"}
     s = DreamShardSharder("checkpoints/dreamshard_cpu/policy.pt", samples=0)
     task = make_task(300, 64, batch=65536)
-    plan = s.shard(task)
-    est = s.last_search_info["estimate"]
-    assert est["source"] == "cost network"
+    plan, network_ms = best_plan(s.load(), task, 0, generator=torch.Generator().manual_seed(0),
+                                 algorithm="dreamshard", max_candidates=s.max_candidates)
     ref = AnalyticCostModel().device_costs(task, plan).plan_cost_ms
-    assert 0.5 < est["ms"] / ref < 3.0
+    assert 0.5 < network_ms / ref < 3.0
+    assert s.shard(task).signature() == plan.signature()
+    assert s.last_search_info["estimate"]["source"] == "analytic"
