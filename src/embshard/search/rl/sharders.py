@@ -128,13 +128,15 @@ class RLSharder:
 
     def _outside_training(self, task: Task) -> str | None:
         """'device count' or 'batch' where the task is outside the checkpoint's training range
-        (batch with the 2% tolerance of the cost models' envelope); None inside, or when the
-        checkpoint does not record its range."""
+        (checked as the cost models' envelope checks theirs: `Range.outside` with its default
+        tolerance); None inside, or when the checkpoint does not record its range."""
+        from embshard.costs.envelope import DEFAULT_TOLERANCE, Range
+
         card = (self.bundle or {}).get("data_card") or {}
         devices, batches = card.get("device_counts"), card.get("batch_sizes")
-        if devices and not min(devices) <= task.num_devices <= max(devices):
+        if devices and Range.of(devices).outside(task.num_devices, 0.0):
             return "device count"
-        if batches and not min(batches) / 1.02 <= task.batch_size <= max(batches) * 1.02:
+        if batches and Range.of(batches).outside(task.batch_size, DEFAULT_TOLERANCE):
             return "batch"
         return None
 
