@@ -196,36 +196,30 @@ def pooled(runs: list[Path]) -> str:
     NeuroShard's (guarded) per task, the comparison that decides `shard.py`'s default."""
     import json
 
-    from embshard.report import HEURISTICS
+    from embshard.report import summarize_results
     from embshard.stats import paired_ratio_summary
 
-    by_task: dict[str, dict[str, float]] = {}
-    for run in runs:
-        for f in sorted(run.glob("*/report.json")):
-            for r in json.loads(f.read_text())["results"]:
-                if r["valid"] and r.get("measured_cost_ms") is not None:
-                    by_task.setdefault(r["task"], {})[r["algorithm"]] = r["measured_cost_ms"]
-    if not by_task:
+    results = [r for run in runs for f in sorted(run.glob("*/report.json")) for r in json.loads(f.read_text())["results"]]
+    if not results:
         return ""
-    algorithms = list(dict.fromkeys(a for rows in by_task.values() for a in rows))
-    lines = [f"All settings together ({len(by_task)} tasks): measured cost over the best heuristic's per task, "
+    tasks = list(dict.fromkeys(r["task"] for r in results))
+    lines = [f"All settings together ({len(tasks)} tasks): measured cost over the best heuristic's per task, "
              "mean [bootstrap 95% interval over tasks] verdict; tasks:", "",
              "| algorithm | ratio to the best heuristic | tasks |", "|---|---|---|"]
 
-    def cell(ratios: list[float]) -> str:
-        if len(ratios) < 2:
-            return f"{ratios[0]:.3f}" if ratios else "-"
-        r = paired_ratio_summary(ratios)
-        return f"{r.mean:.3f} [{r.low:.3f}, {r.high:.3f}] {r.verdict}"
+    def cell(mean: float, ci: dict | None) -> str:
+        return f"{mean:.3f}" + (f" [{ci['low']:.3f}, {ci['high']:.3f}] {ci['verdict']}" if ci else "")
 
-    for a in algorithms:
-        ratios = [rows[a] / min(rows[h] for h in HEURISTICS if h in rows)
-                  for rows in by_task.values() if a in rows and any(h in rows for h in HEURISTICS)]
-        lines.append(f"| {a} | {cell(ratios)} | {len(ratios)} |")
-    both = [rows["portfolio"] / rows["neuroshard"] for rows in by_task.values()
-            if "portfolio" in rows and "neuroshard" in rows]
+    for a, m in summarize_results({"results": results}).items():  # one report of every task
+        lines.append(f"| {a} | {cell(m['mean_ratio'], m.get('ratio_ci')) if m['tasks'] else '-'} | {m['tasks']} |")
+    cost = {(r["task"], r["algorithm"]): r["measured_cost_ms"] for r in results
+            if r["valid"] and r.get("measured_cost_ms") is not None}
+    both = [cost[t, "portfolio"] / cost[t, "neuroshard"] for t in tasks
+            if (t, "portfolio") in cost and (t, "neuroshard") in cost]
     if both:
-        lines += ["", f"portfolio over NeuroShard (guarded), per task: {cell(both)} over {len(both)} tasks "
+        s = paired_ratio_summary(both)
+        ci = s.to_dict() if len(both) > 1 else None
+        lines += ["", f"portfolio over NeuroShard (guarded), per task: {cell(s.mean, ci)} over {len(both)} tasks "
                   "(the portfolio becomes shard.py's default once this lies below 1)"]
     return "\n".join(lines) + "\n"
 
