@@ -75,14 +75,15 @@ def report_floors(report_path: Path) -> dict[str, dict]:
     from omegaconf import OmegaConf
 
     from embshard.flexshard.floor import placement_floor
-    from embshard.flexshard.traffic import TrafficEvaluator, global_batches
+    from embshard.flexshard.stats import BatchSplit
+    from embshard.flexshard.traffic import global_batches
     from embshard.task import load_tasks
 
     config = report_path.parent / "config.yaml"
     if not config.is_file():
         raise SystemExit(f"error: {report_path}: no config.yaml beside it to name its tasks and replayed steps")
     cfg = OmegaConf.load(config)
-    split = TrafficEvaluator(cfg.traffic.fit_batches, cfg.traffic.eval_batches, cfg.traffic.seed).split
+    split = BatchSplit(cfg.traffic.fit_batches, cfg.traffic.eval_batches, cfg.traffic.seed)
     out = {}
     for task in load_tasks(cfg.task_file):
         out[task.name] = placement_floor(task, global_batches(task, split.eval_steps, split.seed)).to_dict()
