@@ -137,7 +137,7 @@ def placement_floor(task: Task, batches: Sequence[Batch]) -> Floor:
             r, m, n = touched_sets(*batch[t.name], H, task.devices_per_host, per_device)
             rows.append(r)
             codes.append(np.left_shift(m, H * k))
-            counts.append((k, r, n))
+            counts.append(n)
         r = np.concatenate(rows)
         if r.size == 0:
             by_table[t.name] = 0.0
@@ -155,7 +155,7 @@ def placement_floor(task: Task, batches: Sequence[Batch]) -> Floor:
         oracle += FLOAT_BYTES * t.dim * vectors / len(batches)
         # expected: samples per step of each distinct row, holders chosen per row before the dealing
         n_steps = np.zeros((distinct_rows.size, len(batches)), dtype=np.int64)
-        for k, rk, nk in counts:
+        for k, (rk, nk) in enumerate(zip(rows, counts)):
             n_steps[np.searchsorted(distinct_rows, rk), k] = nk
         pairs, how_many = np.unique(n_steps, axis=0, return_counts=True)
         values = np.unique(pairs)
