@@ -16,6 +16,7 @@ Launch: `torchrun --nproc_per_node N train.py stage=dlrm ...` (see train.py).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -176,6 +177,11 @@ class Session:
                 wandb.finish(exit_code=0 if status == "success" else 1)
         self.loggers = []
         if dist.is_available() and dist.is_initialized():
+            # the caller has dropped its sharded models by now (the stages `del` them inside the
+            # `with`); collect their cycles so the DDP reducer's and the sharded modules' last
+            # references to the process group go while it exists, and destroy_process_group
+            # below joins gloo's threads instead of the interpreter's exit killing them
+            gc.collect()
             # every rank done with its collectives before any tears gloo down: a rank exiting
             # while a peer's gloo threads still talk to it aborts ("terminate called without an
             # active exception", exit -6). After a failure the peers may never arrive: no barrier.

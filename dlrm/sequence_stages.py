@@ -146,6 +146,7 @@ def run_sequence_throughput(cfg: DictConfig, make_sharder, known_planners, defau
                                                  global_batch, progress=cfg.get("progress", True))
         comm = {label: session.all_gather_object(model.comm[s.warmup_steps:]) for label, model in models.items()}
         replay = replay_comm(session, models, batches[0], s.replay_repetitions)
+        del models, batches  # released before the process group goes (Session.close)
         if session.is_rank_zero:
             summary = summarize_throughput(records, reference, global_batch, confidence=s.confidence)
             timed = [steps[k % len(steps)] for k in range(s.warmup_steps, s.warmup_steps + s.rounds * s.steps_per_round)]

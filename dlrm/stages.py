@@ -188,6 +188,7 @@ def run_dlrm(cfg: DictConfig, **kw) -> float:
             result = train(s, sharded, batches, d.steps, d.log_every, run.global_batch, progress=cfg.get("progress", True))
         finally:
             batches.close()
+        del sharded  # released before the process group goes (Session.close)
         curve = result["loss_curve"]
         k = max(1, len(curve) // 5)
         first, last = sum(v for _, v in curve[:k]) / k, sum(v for _, v in curve[-k:]) / k
@@ -241,6 +242,7 @@ def run_throughput(cfg: DictConfig, **kw) -> float:
             s, models, batches, d.warmup_steps, d.rounds, d.steps_per_round, run.global_batch,
             progress=cfg.get("progress", True),
         )
+        del models, batches  # released before the process group goes (Session.close)
         summary = summarize_throughput(records, reference, run.global_batch, confidence=d.confidence)
         lookup_ms = _lookup_ms_per_step(records, d.steps_per_round)
         from embshard.hardware.cluster import network_info
