@@ -280,3 +280,57 @@ def test_vtrace_matches_its_definition():
     assert float(vs[1, 3:].abs().sum()) == 0.0 and float(adv[1, 3:].abs().sum()) == 0.0
     logp = masked_log_softmax(torch.randn(4, 5), torch.tensor([[True, False, True, False, False]] * 4))
     assert torch.allclose(logp.exp().sum(-1), torch.ones(4)) and float(logp[:, 1].exp().max()) == 0.0
+
+
+# ----------------------------------------------------------------------------- training tasks
+@pytest.fixture(scope="module")
+def pool_file(tmp_path_factory) -> Path:
+    from embshard.data.synthetic import generate_synthetic
+
+    path = tmp_path_factory.mktemp("pool") / "syn.pt"
+    generate_synthetic(path, num_tables=32, batch_size=256, seed=0)
+    return path
+
+
+def small_task_config(*overrides: str) -> dict:
+    return rl_config("dreamshard", "rl.tasks.min_tables=4", "rl.tasks.max_tables=6", "rl.tasks.max_total_bytes=null",
+                     *overrides)
+
+
+def test_training_tasks_cover_every_batch_device_count_and_a_share_without_histograms(pool_file):
+    from embshard.search.rl.stage import training_tasks
+
+    c = small_task_config("rl.tasks.num_train_tasks=13", "rl.tasks.num_val_tasks=8",
+                          "rl.tasks.batch_size=[1024,4096]", "rl.tasks.num_devices=[2,8]",
+                          "rl.tasks.no_histogram_fraction=0.25")
+    train, val, split = training_tasks(c, pool_file, seed=0)
+    assert len(train) == 13 and len(val) == 8
+    assert [t.batch_size for t in val[:4]] == [1024, 4096, 1024, 4096]  # the batch sizes in turn
+    assert sorted(t.batch_size for t in train).count(1024) == 7  # 13 split 7 + 6
+    assert {t.num_devices for t in train} == {2, 8}
+    assert len({t.name for t in train + val}) == 21
+    bare = [t for t in train if all(tb.reuse_histogram is None and tb.trace is None for tb in t.tables)]
+    assert len(bare) == 3 and {t.batch_size for t in bare} <= {1024, 4096}  # round(0.25 x 13)
+    assert sum(all(tb.reuse_histogram is None for tb in t.tables) for t in val) == 2
+    assert all(tb.reuse_histogram is not None for t in train if t not in bare for tb in t.tables)
+    # the split holds: training tasks use train tables only, validation tasks validation tables only
+    assert {tb.name for t in train for tb in t.tables} <= set(split["train"])
+    assert {tb.name for t in val for tb in t.tables} <= set(split["validation"])
+
+
+def test_one_batch_size_in_a_list_gives_the_tasks_of_the_scalar(pool_file):
+    from embshard.search.rl.stage import training_tasks
+
+    scalar = training_tasks(small_task_config("rl.tasks.batch_size=2048"), pool_file, seed=3)
+    listed = training_tasks(small_task_config("rl.tasks.batch_size=[2048]", "rl.tasks.num_devices=[4]"), pool_file, seed=3)
+    assert [t.to_dict() for t in scalar[0] + scalar[1]] == [t.to_dict() for t in listed[0] + listed[1]]
+
+
+@pytest.mark.parametrize("override, message", [("rl.tasks.batch_size=[]", "rl.tasks.batch_size must be"),
+                                               ("rl.tasks.num_devices=[2,0]", "rl.tasks.num_devices must be"),
+                                               ("rl.tasks.no_histogram_fraction=1.5", "no_histogram_fraction must lie")])
+def test_bad_training_task_settings_are_input_errors(pool_file, override, message):
+    from embshard.search.rl.stage import training_tasks
+
+    with pytest.raises(InputError, match=message):
+        training_tasks(small_task_config(override), pool_file, seed=0)

@@ -98,12 +98,17 @@ def switches_of(c: dict[str, Any]) -> dict[str, Any]:
 def training_tasks(c: dict[str, Any], dataset: Path | None, seed: int) -> tuple[list[Task], list[Task], dict[str, Any]]:
     """(train tasks, validation tasks, split) from the pool's train half or from rl.task_dir."""
     from embshard.data.split import TableSplit
-    from embshard.data.tasks import dreamshard_tasks, neuroshard_tasks, table_pool_from_dataset
+    from embshard.data.tasks import neuroshard_tasks, split_pool, table_pool_from_dataset
 
     t = c["tasks"]
+    batches = _int_list("rl.tasks.batch_size", t["batch_size"])
+    devices = _int_list("rl.tasks.num_devices", t["num_devices"])
+    no_hist = float(t.get("no_histogram_fraction") or 0.0)
+    if not 0.0 <= no_hist <= 1.0:
+        raise InputError(f"rl.tasks.no_histogram_fraction must lie in [0, 1], got {no_hist!r}")
     common = dict(min_tables=int(t["min_tables"]), max_tables=int(t["max_tables"]), dims=list(t["dims"]),
-                  max_total_bytes=t["max_total_bytes"], num_devices=t["num_devices"],
-                  device_memory_bytes=t["device_memory_bytes"], batch_size=int(t["batch_size"]), optimizer=t["optimizer"])
+                  max_total_bytes=t["max_total_bytes"], num_devices=devices,
+                  device_memory_bytes=t["device_memory_bytes"], optimizer=t["optimizer"])
     if c.get("task_dir"):
         tasks = load_tasks(c["task_dir"])
         split_file = Path(c["task_dir"]).parent / "split.json"
@@ -117,15 +122,73 @@ def training_tasks(c: dict[str, Any], dataset: Path | None, seed: int) -> tuple[
     split = TableSplit.of_pool(pool, float(t["validation_fraction"]), float(t["test_fraction"]), seed,
                                pool_name=str(dataset))
     held = float(t["validation_fraction"]) + float(t["test_fraction"])
-    out = dreamshard_tasks(pool, num_train_tasks=int(t["num_train_tasks"]), num_test_tasks=1, test_fraction=held,
-                           seed=seed, **common)
+    train_pool, _ = split_pool(pool, held, seed)  # = the split's train tables
     # validation tasks: of the validation tables, which neither training nor the test ever sees
     val_pool = split.entries(pool, "validation")
     val_common = dict(common, min_tables=min(common["min_tables"], len(val_pool)),
                       max_tables=min(common["max_tables"], len(val_pool)))
-    val = neuroshard_tasks(val_pool, int(t["num_val_tasks"]), seed=seed * 2 + 7, name_prefix="rl-val", **val_common) \
-        if int(t["num_val_tasks"]) > 0 else []
-    return out["train"], val, split.to_dict()
+    train: list[Task] = []
+    val: list[Task] = []
+    # one batch size per group of tasks (several: the tasks go round them), the same seeds as one
+    # batch size had for the first, so a single-batch config keeps its tasks
+    for k, batch in enumerate(batches):
+        n_train = _share(int(t["num_train_tasks"]), len(batches), k)
+        n_val = _share(int(t["num_val_tasks"]), len(batches), k)
+        if n_train:  # what dreamshard_tasks draws from the train half (the same half for every k)
+            train += [_renamed(x, len(batches)) for x in neuroshard_tasks(
+                train_pool, n_train, seed=(seed + 1000 * k) * 2 + 1, name_prefix="dreamshard-train",
+                batch_size=batch, **common)]
+        if n_val:
+            val += [_renamed(x, len(batches)) for x in neuroshard_tasks(
+                val_pool, n_val, seed=(seed + 1000 * k) * 2 + 7, name_prefix="rl-val", batch_size=batch, **val_common)]
+    train, val = _interleave(train, len(batches)), _interleave(val, len(batches))
+    # tables as a user brings them (rows, dim, pooling factor): a random `no_hist` share of the tasks
+    if no_hist > 0:
+        train, val = _without_histograms(train, no_hist, seed), _without_histograms(val, no_hist, seed + 1)
+    return train, val, split.to_dict()
+
+
+def _int_list(key: str, value: Any) -> list[int]:
+    """A positive int, or a non-empty list of them, as a list."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise InputError(f"{key} must be a positive integer or a non-empty list of them, got {value!r}")
+    return [int(v) for v in values]
+
+
+def _share(n: int, parts: int, k: int) -> int:
+    """Part k of n split into `parts` near-equal parts (the first ones take the remainder)."""
+    return n // parts + (1 if k < n % parts else 0)
+
+
+def _renamed(task: Task, parts: int) -> Task:
+    from dataclasses import replace
+
+    return task if parts == 1 else replace(task, name=f"{task.name}-b{task.batch_size}")
+
+
+def _interleave(tasks: list[Task], parts: int) -> list[Task]:
+    """Tasks of several batch sizes in turn (so the first few, the validation's or a short run's,
+    cover every batch size)."""
+    if parts == 1:
+        return tasks
+    groups: dict[int, list[Task]] = {}
+    for x in tasks:
+        groups.setdefault(x.batch_size, []).append(x)
+    out, lists = [], list(groups.values())
+    for i in range(max(len(g) for g in lists)):
+        out += [g[i] for g in lists if i < len(g)]
+    return out
+
+
+def _without_histograms(tasks: list[Task], fraction: float, seed: int) -> list[Task]:
+    """`round(fraction x len)` of the tasks, drawn at random, with their reuse histograms and
+    traces dropped (the features and the measuring evaluator then use the calibrated law's)."""
+    from embshard.data.tasks import without_histograms
+
+    n = int(round(fraction * len(tasks)))
+    drop = set(np.random.default_rng([int(seed), 0x4E0]).choice(len(tasks), size=n, replace=False).tolist())
+    return [without_histograms(x) if i in drop else x for i, x in enumerate(tasks)]
 
 
 # ----------------------------------------------------------------------------- loggers
