@@ -125,7 +125,13 @@ def summarize(args: argparse.Namespace) -> None:
         sys.exit(f"error: {e}")
     if not summary:
         sys.exit(f"error: no <setting>/report.json under {runs}")
-    text = markdown(summary) + "\n" + aims(summary) + "\n" + pooled([Path(r) for r in args.runs])
+    pairs = []
+    for spec in args.pairs:
+        a, sep, b = spec.partition("/")
+        if not sep or not a or not b:
+            sys.exit(f"error: --pairs {spec!r}: write A/B (A's measured cost over B's per task)")
+        pairs.append((a, b))
+    text = markdown(summary) + "\n" + aims(summary) + "\n" + pooled([Path(r) for r in args.runs], pairs)
     out = Path(args.out)
     write_json_atomic(out / "summary.json", summary)
     write_text_atomic(out / "summary.md", text)
@@ -190,10 +196,16 @@ def aims(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pooled(runs: list[Path]) -> str:
+#: paired comparisons summarize prints by default: the portfolio over guarded NeuroShard decides
+#: `shard.py`'s default
+PAIRS = (("portfolio", "neuroshard"),)
+NOTES = {("portfolio", "neuroshard"): "the portfolio becomes shard.py's default once this lies below 1"}
+
+
+def pooled(runs: list[Path], pairs: list[tuple[str, str]] | tuple = PAIRS) -> str:
     """Every setting's tasks together (the settings' own intervals are wide with few tasks): each
-    algorithm's measured cost over the best heuristic's per task, and the portfolio's over
-    NeuroShard's (guarded) per task, the comparison that decides `shard.py`'s default."""
+    algorithm's measured cost over the best heuristic's per task, then for each pair (A, B) A's
+    measured cost over B's per task, on the tasks where both have a valid plan."""
     import json
 
     from embshard.report import summarize_results
@@ -214,13 +226,15 @@ def pooled(runs: list[Path]) -> str:
         lines.append(f"| {a} | {cell(m['mean_ratio'], m.get('ratio_ci')) if m['tasks'] else '-'} | {m['tasks']} |")
     cost = {(r["task"], r["algorithm"]): r["measured_cost_ms"] for r in results
             if r["valid"] and r.get("measured_cost_ms") is not None}
-    both = [cost[t, "portfolio"] / cost[t, "neuroshard"] for t in tasks
-            if (t, "portfolio") in cost and (t, "neuroshard") in cost]
-    if both:
+    for a, b in pairs:
+        both = [cost[t, a] / cost[t, b] for t in tasks if (t, a) in cost and (t, b) in cost]
+        if not both:
+            continue
         s = paired_ratio_summary(both)
         ci = s.to_dict() if len(both) > 1 else None
-        lines += ["", f"portfolio over NeuroShard (guarded), per task: {cell(s.mean, ci)} over {len(both)} tasks "
-                  "(the portfolio becomes shard.py's default once this lies below 1)"]
+        name = "NeuroShard (guarded)" if b == "neuroshard" else b
+        note = f" ({NOTES[a, b]})" if (a, b) in NOTES else ""
+        lines += ["", f"{a} over {name}, per task: {cell(s.mean, ci)} over {len(both)} tasks{note}"]
     return "\n".join(lines) + "\n"
 
 
@@ -244,6 +258,8 @@ def main() -> None:
     t.add_argument("--max-total-bytes", type=int, default=1 << 30)
     s = sub.add_parser("summarize", help="summarise shard.py reports, one <setting>/report.json each")
     s.add_argument("runs", nargs="+", help="the runs folder; more folders add other tasks of the same settings")
+    s.add_argument("--pairs", nargs="*", default=[f"{a}/{b}" for a, b in PAIRS],
+                   help="A/B: A's measured cost over B's per task, pooled over every setting (default: %(default)s)")
     s.add_argument("--out", default=str(ROOT / "experiments" / "portfolio_eval"))
     args = ap.parse_args()
     if args.cmd == "tasks" and (args.num_tasks < 1 or args.first_task < 0):

@@ -220,3 +220,14 @@ def test_portfolio_eval_summary_pools_every_setting_and_compares_with_neuroshard
     assert f"| portfolio | {(0.8 + 0.95 + 1.0) / 3:.3f} [" in text
     assert f"portfolio over NeuroShard (guarded), per task: {(8 / 9 + 19 / 20 + 10 / 11) / 3:.3f} [" in text
     assert json.loads((out / "summary.json").read_text())["20-30x4"]["portfolio"]["tasks"] == 2
+    # any pair on request: lookup_greedy over size_greedy exists on t1 only (one task, no interval)
+    text = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "summarize",
+                           str(tmp_path / "b1"), str(tmp_path / "b2"), "--out", str(out),
+                           "--pairs", "lookup_greedy/size_greedy", "neuroshard/size_greedy"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "lookup_greedy over size_greedy, per task: 1.200 over 1 tasks" in text
+    assert f"neuroshard over size_greedy, per task: {(0.9 + 1.0 + 1.1) / 3:.3f} [" in text
+    assert "portfolio over NeuroShard" not in text
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "summarize",
+                          str(tmp_path / "b1"), "--out", str(out), "--pairs", "portfolio"], capture_output=True, text=True)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines() == ["error: --pairs 'portfolio': write A/B (A's measured cost over B's per task)"]
