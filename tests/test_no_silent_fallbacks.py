@@ -214,3 +214,27 @@ def test_did_you_mean_prefers_the_key_the_typo_begins():
     assert nearest_name("dims", keys) == "dim"  # the key the typo extends
     assert nearest_name("rowz", keys) == "rows"  # no prefix: difflib's closest
     assert nearest_name("zzz", keys) is None
+
+
+def test_a_planner_added_under_a_new_name_passes_and_its_keys_are_known(capsys):
+    argv = ["task_file=t.json", "algorithms=[dreamshard,ds_old]", "+search@searchers.ds_old=dreamshard",
+            "searchers.ds_old.checkpoint=old.pt", "searchers.ds_old.name=ds_old"]
+    refuse_additions(argv, CONF, "shard", "shard.py")
+    refuse_unknown_keys(argv, CONF, "shard", "shard.py")
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):  # without the addition, the new name's keys are unknown
+        refuse_unknown_keys([a for a in argv if not a.startswith("+")], CONF, "shard", "shard.py")
+    assert "'searchers' has no key 'ds_old'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("+search@searchers.dreamshard=autoshard", "searchers.dreamshard exists; set its keys instead"),
+    ("+search@searchers.ds_old=dreamshrd", "no planner 'dreamshrd' (did you mean 'dreamshard'?)"),
+    ("+search@searchers.a.b=dreamshard", "write +search@searchers.<new name>=<planner>"),
+])
+def test_a_bad_planner_addition_is_one_line(capsys, arg, message):
+    with pytest.raises(SystemExit) as e:
+        refuse_additions(["task_file=t.json", arg], CONF, "shard", "shard.py")
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {arg}: ") and message in line

@@ -50,7 +50,9 @@ def refuse_unknown_keys(argv: Sequence[str], config_dir: Path, config_name: str,
         except Exception:  # noqa: BLE001 - whatever composition says, Hydra says again, in full
             return None
 
-    cfg = composed([])
+    # planners added under new names (+search@searchers.NAME=...: refuse_additions judged them)
+    added = [arg for arg in argv if arg.startswith("+search@searchers.")]
+    cfg = composed(added)
     if cfg is None:
         return
     # a config group of the defaults list (hardware=torch_cpu): its options are the group's files
@@ -62,7 +64,7 @@ def refuse_unknown_keys(argv: Sequence[str], config_dir: Path, config_name: str,
             hint = f" (did you mean {key}={near}?)" if near else ""
             _exit_2(f"{arg}: {key} has no option {value!r}{hint}; options: {', '.join(options)}")
     if groups:
-        cfg = composed([arg for arg, _, _ in groups])
+        cfg = composed([*added, *(arg for arg, _, _ in groups)])
         if cfg is None:
             return
     for arg, key, _ in plain:
@@ -100,6 +102,8 @@ def refuse_additions(argv: Sequence[str], config_dir: Path, config_name: str, en
         if not arg.startswith("+"):
             continue
         key, _, value = arg.lstrip("+").partition("=")
+        if _adds_a_searcher(key, value, config_dir, entry):
+            continue
         conf = OmegaConf.load(config_dir / f"{config_name}.yaml")
         known = [k for k in conf if k not in ("defaults", "hydra")]
         known += [next(iter(d)) for d in conf.defaults if isinstance(d, DictConfig) and "override" not in next(iter(d))]
@@ -111,3 +115,25 @@ def refuse_additions(argv: Sequence[str], config_dir: Path, config_name: str, en
             fix = f"{top!r} is not a {entry} key" + (f" (did you mean {near!r}?)" if near else "")
         _exit_2(f"{arg}: {entry} takes its own keys without '+': {fix}; python {entry} --help lists them")
 
+
+
+def _adds_a_searcher(key: str, value: str, config_dir: Path, entry: str) -> bool:
+    """`+search@searchers.NAME=OPTION`: Hydra's way to add a second planner of a kind under a new
+    name (two checkpoints side by side: `algorithms=[dreamshard,NAME]
+    searchers.NAME.checkpoint=...`). True for that form with a known option and a new name;
+    one `error:` line for that form otherwise; False for any other key."""
+    group, at, package = key.partition("@")
+    if not at or group != "search" or not package.startswith("searchers."):
+        return False
+    name = package[len("searchers."):]
+    options = sorted(p.stem for p in (config_dir / "search").glob("*.yaml"))
+    if not name or "." in name:
+        _exit_2(f"+{key}={value}: write +search@searchers.<new name>=<planner>; python {entry} --help lists them")
+    if name in options:
+        _exit_2(f"+{key}={value}: searchers.{name} exists; set its keys instead (searchers.{name}.<key>=...), "
+                f"or add the planner under a new name")
+    if value not in options:
+        near = nearest_name(value, options)
+        hint = f" (did you mean {near!r}?)" if near else ""
+        _exit_2(f"+{key}={value}: no planner {value!r}{hint}; planners: {', '.join(options)}")
+    return True
