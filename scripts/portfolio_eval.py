@@ -73,7 +73,7 @@ def make_tasks(args: argparse.Namespace) -> None:
         generate_synthetic(dataset, num_tables=args.pool_tables, batch_size=4096, seed=args.pool_seed)
     try:
         split = TableSplit.of_pool(dataset, args.validation_fraction, args.test_fraction, args.seed)
-        test = split.entries(dataset, "test")
+        test = split.entries(dataset, args.split)
     except InputError as e:
         sys.exit(f"error: {str(e).splitlines()[0]}")
     try:
@@ -85,7 +85,7 @@ def make_tasks(args: argparse.Namespace) -> None:
     split.save(out / "split.json")
     for name, (lo, hi, devices, offset, histograms) in SETTINGS.items():
         if hi > len(test):
-            sys.exit(f"error: setting {name} needs {hi} tables; the split has {len(test)} test tables "
+            sys.exit(f"error: setting {name} needs {hi} tables; the split has {len(test)} {args.split} tables "
                      "(a bigger pool: --pool-tables)")
         tasks = []
         for i in range(args.first_task, args.first_task + args.num_tasks):  # batch 8192 and 16384 in turn
@@ -93,10 +93,11 @@ def make_tasks(args: argparse.Namespace) -> None:
                 (task,) = neuroshard_tasks(test, 1, min_tables=lo, max_tables=hi, dims=[4, 8, 16, 32, 64, 128],
                                            max_total_bytes=args.max_total_bytes, num_devices=devices,
                                            batch_size=BATCHES[i % len(BATCHES)],
-                                           seed=args.seed * 1000 + offset * 100 + i, name_prefix=f"pe-{name}-{i:04d}")
+                                           seed=args.seed * 1000 + offset * 100 + i + (50_000 if args.split == "validation" else 0),
+                                           name_prefix=f"pe-{name}-{i:04d}")
             except InputError as e:
                 sys.exit(f"error: setting {name}: {str(e).splitlines()[0]}")
-            tasks.append(replace(task, name=f"pe-{name}-{i:04d}"))
+            tasks.append(replace(task, name=f"{'pv' if args.split == 'validation' else 'pe'}-{name}-{i:04d}"))
         if not histograms:  # what a user brings: rows, dim, pooling factor (the evaluator draws
             # indices from the calibrated synthetic law)
             tasks = [without_histograms(t) for t in tasks]
@@ -104,11 +105,11 @@ def make_tasks(args: argparse.Namespace) -> None:
             check_unseen(tasks, seen, pool=str(dataset))
         except InputError as e:
             sys.exit(f"error: {e}")
-        for stale in (out / name).glob("pe-*.json"):  # a previous run's tasks (another --num-tasks)
+        for stale in [*(out / name).glob("pe-*.json"), *(out / name).glob("pv-*.json")]:  # a previous run's tasks (another --num-tasks)
             stale.unlink()
         write_tasks(tasks, out / name)
         print(f"{name}: {len(tasks)} tasks of {min(len(t.tables) for t in tasks)}-{max(len(t.tables) for t in tasks)} "
-              f"test tables on {devices} devices, batch {'/'.join(map(str, BATCHES))} -> {out / name}")
+              f"{args.split} tables on {devices} devices, batch {'/'.join(map(str, BATCHES))} -> {out / name}")
     print(f"split: {len(split.tables['train'])} train / {len(split.tables['validation'])} validation / "
           f"{len(split.tables['test'])} test tables of {dataset} -> {out / 'split.json'}")
 
@@ -246,6 +247,9 @@ def main() -> None:
                    help="the pool (a synthetic file of this name is generated when missing)")
     t.add_argument("--pool-tables", type=int, default=512, help="tables of a generated pool")
     t.add_argument("--pool-seed", type=int, default=2, help="seed of a generated pool")
+    t.add_argument("--split", choices=("test", "validation"), default="test",
+                   help="tasks of the split's test tables (the evaluation) or of its validation tables (where a "
+                        "checkpoint or a switch is chosen; tasks named pv-*, other seeds)")
     t.add_argument("--checkpoints", nargs="*", default=CHECKPOINTS,
                    help="checkpoints whose train and validation tables no task may hold")
     t.add_argument("--out", default=str(ROOT / "experiments" / "portfolio_eval" / "tasks"))

@@ -114,3 +114,22 @@ def test_portfolio_eval_refuses_tasks_holding_a_checkpoints_tables(pool, tmp_pat
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: task ") and "was trained or tuned on by" in last and str(ckpt) in last
     assert not list(out.glob("*/*.json"))
+
+
+def test_portfolio_eval_validation_tasks_hold_validation_tables_only(pool, tmp_path):
+    """--split validation: tasks (pv-*) of the split's validation tables, where checkpoints and
+    switches are chosen; the default stays the test tables (pe-*)."""
+    from embshard.task import load_tasks
+
+    s = TableSplit.of_pool(pool, 0.25, 0.25, seed=0)
+    keys = {k: set(v) for k, v in s.keys.items()}
+    for split, prefix in (("validation", "pv-"), ("test", "pe-")):
+        out = tmp_path / split
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "tasks", "--dataset", str(pool),
+                               "--checkpoints", "--num-tasks", "2", "--split", split, "--max-total-bytes", str(1 << 40),
+                               "--out", str(out)],
+                              capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        tasks = [t for d in sorted(out.iterdir()) if d.is_dir() for t in load_tasks(d)]
+        assert len(tasks) == 12 and all(t.name.startswith(prefix) for t in tasks)
+        assert all(key_of(tb) in keys[split] for t in tasks for tb in t.tables)

@@ -143,7 +143,7 @@ def data_card_markdown(bundle_card: dict[str, Any], metrics: dict[str, Any], alg
             lines.append(f"| {int(h['iteration'])} | " + " | ".join(f"{h[k]:.4g}" if k in h else "" for k in keys) + " |")
     val = metrics.get("validation") or {}
     if val:
-        lines += ["", "## Validation (tasks of the validation tables, training device count)", ""]
+        lines += ["", "## Validation (tasks of the validation tables, at the training device counts and batch sizes)", ""]
         for k, v in val.items():
             lines.append(f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}")
     return "\n".join(lines) + "\n"

@@ -3,9 +3,12 @@
 Training tasks come from the TRAIN tables of the pool's train / validation / test split
 (`embshard.data.split.TableSplit`; its train tables are those of the two-way split
 `task=dreamshard` makes with test fraction validation + test), or from `rl.task_dir`.
-Validation tasks are tasks of the VALIDATION tables at the training device count: unseen in
-training, and every choice made on them; the test tables are never touched in training or in
-choosing anything. Writes to `out_dir`:
+Validation tasks are tasks of the VALIDATION tables at the training device counts and batch
+sizes: unseen in training, and every choice made on them; the test tables are never touched in
+training or in choosing anything. `rl.tasks.batch_size` and `rl.tasks.num_devices` may be lists
+(the tasks go round the batch sizes; each draws its device count), and
+`rl.tasks.no_histogram_fraction` of the tasks get a user's tables, without reuse histograms.
+Writes to `out_dir`:
 
 * `policy.pt`: the checkpoint (`search=dreamshard|autoshard ...checkpoint=<it>`);
 * `data_card.md`, `metrics.json` (per-iteration curves, validation), `curves.png`;
