@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval scale-bench
+.PHONY: demo test venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-broad rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval scale-bench
 
 venv: $(STAMP)
 
@@ -153,6 +153,15 @@ experiments/costdata_broad/compute.jsonl: | $(STAMP)
 rl-checkpoints: $(STAMP) experiments/costdata_broad/compute.jsonl
 	$(PY) train.py stage=rl rl=dreamshard experiment=rl_cpu rl.log_dir=$(RL)/logs/dreamshard out_dir=checkpoints/dreamshard_cpu
 	$(PY) train.py stage=rl rl=autoshard experiment=rl_cpu rl.log_dir=$(RL)/logs/autoshard out_dir=checkpoints/autoshard_cpu
+
+# The shipped DreamShard (docs/rl.md, "Trained for the inputs users bring"): experiment=rl_broad
+# (batch 2048-16384, 2/4/8 devices, a quarter of the tasks without histograms; 100 plans
+# measured here, about 7 min), replaying the 100 measured plans the policy before it learned from.
+rl-broad: $(STAMP)
+	mkdir -p $(RL)
+	git show 96a3106:checkpoints/dreamshard_cpu/measured_plans.jsonl > $(RL)/replay_dreamshard.jsonl
+	$(PY) train.py stage=rl rl=dreamshard experiment=rl_broad rl.replay=$(RL)/replay_dreamshard.jsonl \
+		rl.validate.measure=false rl.log_dir=$(RL)/logs/dreamshard_broad out_dir=checkpoints/dreamshard_cpu
 
 rl-eval: $(STAMP)
 	$(PY) scripts/rl_eval.py tasks --out $(RL)/eval/tasks
