@@ -154,14 +154,17 @@ rl-checkpoints: $(STAMP) experiments/costdata_broad/compute.jsonl
 	$(PY) train.py stage=rl rl=dreamshard experiment=rl_cpu rl.log_dir=$(RL)/logs/dreamshard out_dir=checkpoints/dreamshard_cpu
 	$(PY) train.py stage=rl rl=autoshard experiment=rl_cpu rl.log_dir=$(RL)/logs/autoshard out_dir=checkpoints/autoshard_cpu
 
-# The shipped DreamShard (docs/rl.md, "Trained for the inputs users bring"): experiment=rl_broad
-# (batch 2048-16384, 2/4/8 devices, a quarter of the tasks without histograms; 100 plans
-# measured here, about 7 min), replaying the 100 measured plans the policy before it learned from.
+# The shipped DreamShard and AutoShard (docs/rl.md, "Trained for the inputs users bring"):
+# experiment=rl_broad (batch 2048-16384, 2/4/8 devices, a quarter of the tasks without
+# histograms; 100 plans measured here each, about 7 + 4 min), replaying the 100 measured plans
+# the policy before it learned from.
 rl-broad: $(STAMP)
 	mkdir -p $(RL)
-	git show 96a3106:checkpoints/dreamshard_cpu/measured_plans.jsonl > $(RL)/replay_dreamshard.jsonl
-	$(PY) train.py stage=rl rl=dreamshard experiment=rl_broad rl.replay=$(RL)/replay_dreamshard.jsonl \
-		rl.validate.measure=false rl.log_dir=$(RL)/logs/dreamshard_broad out_dir=checkpoints/dreamshard_cpu
+	for a in dreamshard autoshard; do \
+		git show 96a3106:checkpoints/$${a}_cpu/measured_plans.jsonl > $(RL)/replay_$$a.jsonl || exit 1; \
+		$(PY) train.py stage=rl rl=$$a experiment=rl_broad rl.replay=$(RL)/replay_$$a.jsonl rl.validate.measure=false \
+			rl.log_dir=$(RL)/logs/$${a}_broad out_dir=checkpoints/$${a}_cpu || exit 1; \
+	done
 
 rl-eval: $(STAMP)
 	$(PY) scripts/rl_eval.py tasks --out $(RL)/eval/tasks
