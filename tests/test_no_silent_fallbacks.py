@@ -77,17 +77,22 @@ def test_removing_a_shard_key_is_one_line_not_a_traceback(capsys):
                                        "instead; python shard.py --help lists them\n")
 
 
-@pytest.mark.parametrize("arg, message", [
+@pytest.mark.parametrize("config, arg, message", [
     # a key train.py has: Hydra would answer with a several-line error
-    ("+stage=tasks", "train.py takes its own keys without '+': write stage=tasks"),
+    ("train", "+stage=tasks", "train.py takes its own keys without '+': write stage=tasks"),
     # a nested key: written without '+', refuse_unknown_keys then judges the key itself
-    ("+dlrm.steps=3", "write dlrm.steps=3"),
+    ("train", "+dlrm.steps=3", "write dlrm.steps=3"),
     # a key it does not have: Hydra would add it and nothing would read it
-    ("+data_dri=/tmp/x", "'data_dri' is not a train.py key (did you mean 'data_dir'?)"),
+    ("train", "+data_dri=/tmp/x", "'data_dri' is not a train.py key (did you mean 'data_dir'?)"),
+    # a planner added under a new name (+search@searchers.NAME=planner) is allowed; these are not
+    ("shard", "+search@searchers.dreamshard=autoshard", "searchers.dreamshard exists; set its keys instead"),
+    ("shard", "+search@searchers.ds_old=dreamshrd", "no planner 'dreamshrd' (did you mean 'dreamshard'?)"),
+    ("shard", "+search@searchers.a.b=dreamshard", "write +search@searchers.<new name>=<planner>"),
 ])
-def test_train_py_refuses_plus_overrides_in_one_line(capsys, arg, message):
+def test_plus_overrides_are_refused_in_one_line(capsys, config, arg, message):
+    first = "stage=synthetic" if config == "train" else "task_file=t.json"
     with pytest.raises(SystemExit) as e:
-        refuse_additions(["stage=synthetic", arg], CONF, "train", "train.py")
+        refuse_additions([first, arg], CONF, config, f"{config}.py")
     assert e.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"error: {arg}: ") and message in line
@@ -226,15 +231,3 @@ def test_a_planner_added_under_a_new_name_passes_and_its_keys_are_known(capsys):
         refuse_unknown_keys([a for a in argv if not a.startswith("+")], CONF, "shard", "shard.py")
     assert "'searchers' has no key 'ds_old'" in capsys.readouterr().err
 
-
-@pytest.mark.parametrize("arg, message", [
-    ("+search@searchers.dreamshard=autoshard", "searchers.dreamshard exists; set its keys instead"),
-    ("+search@searchers.ds_old=dreamshrd", "no planner 'dreamshrd' (did you mean 'dreamshard'?)"),
-    ("+search@searchers.a.b=dreamshard", "write +search@searchers.<new name>=<planner>"),
-])
-def test_a_bad_planner_addition_is_one_line(capsys, arg, message):
-    with pytest.raises(SystemExit) as e:
-        refuse_additions(["task_file=t.json", arg], CONF, "shard", "shard.py")
-    assert e.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"error: {arg}: ") and message in line
