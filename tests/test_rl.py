@@ -328,6 +328,7 @@ def test_one_batch_size_in_a_list_gives_the_tasks_of_the_scalar(pool_file):
 
 @pytest.mark.parametrize("override, message", [("rl.tasks.batch_size=[]", "rl.tasks.batch_size must be"),
                                                ("rl.tasks.num_devices=[2,0]", "rl.tasks.num_devices must be"),
+                                               ("rl.tasks.batch_size=[512,512]", "lists a batch size twice"),
                                                ("rl.tasks.no_histogram_fraction=1.5", "no_histogram_fraction must lie")])
 def test_bad_training_task_settings_are_input_errors(pool_file, override, message):
     from embshard.search.rl.stage import training_tasks

@@ -105,6 +105,8 @@ def training_tasks(c: dict[str, Any], dataset: Path | None, seed: int) -> tuple[
 
     t = c["tasks"]
     batches = _int_list("rl.tasks.batch_size", t["batch_size"])
+    if len(set(batches)) < len(batches):
+        raise InputError(f"rl.tasks.batch_size lists a batch size twice: {batches}")
     devices = _int_list("rl.tasks.num_devices", t["num_devices"])
     no_hist = float(t.get("no_histogram_fraction") or 0.0)
     if not 0.0 <= no_hist <= 1.0:
