@@ -83,6 +83,8 @@ def make_tasks(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     split.save(out / "split.json")
+    # validation tasks: their own names and seeds, so they never coincide with the test tasks
+    prefix, seed_offset = ("pv", 50_000) if args.split == "validation" else ("pe", 0)
     for name, (lo, hi, devices, offset, histograms) in SETTINGS.items():
         if hi > len(test):
             sys.exit(f"error: setting {name} needs {hi} tables; the split has {len(test)} {args.split} tables "
@@ -93,11 +95,11 @@ def make_tasks(args: argparse.Namespace) -> None:
                 (task,) = neuroshard_tasks(test, 1, min_tables=lo, max_tables=hi, dims=[4, 8, 16, 32, 64, 128],
                                            max_total_bytes=args.max_total_bytes, num_devices=devices,
                                            batch_size=BATCHES[i % len(BATCHES)],
-                                           seed=args.seed * 1000 + offset * 100 + i + (50_000 if args.split == "validation" else 0),
-                                           name_prefix=f"pe-{name}-{i:04d}")
+                                           seed=args.seed * 1000 + offset * 100 + i + seed_offset,
+                                           name_prefix=f"{prefix}-{name}-{i:04d}")
             except InputError as e:
                 sys.exit(f"error: setting {name}: {str(e).splitlines()[0]}")
-            tasks.append(replace(task, name=f"{'pv' if args.split == 'validation' else 'pe'}-{name}-{i:04d}"))
+            tasks.append(replace(task, name=f"{prefix}-{name}-{i:04d}"))
         if not histograms:  # what a user brings: rows, dim, pooling factor (the evaluator draws
             # indices from the calibrated synthetic law)
             tasks = [without_histograms(t) for t in tasks]
@@ -105,7 +107,7 @@ def make_tasks(args: argparse.Namespace) -> None:
             check_unseen(tasks, seen, pool=str(dataset))
         except InputError as e:
             sys.exit(f"error: {e}")
-        for stale in [*(out / name).glob("pe-*.json"), *(out / name).glob("pv-*.json")]:  # a previous run's tasks (another --num-tasks)
+        for stale in (out / name).glob("p[ev]-*.json"):  # a previous run's tasks (another --num-tasks)
             stale.unlink()
         write_tasks(tasks, out / name)
         print(f"{name}: {len(tasks)} tasks of {min(len(t.tables) for t in tasks)}-{max(len(t.tables) for t in tasks)} "

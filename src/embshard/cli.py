@@ -116,7 +116,6 @@ def refuse_additions(argv: Sequence[str], config_dir: Path, config_name: str, en
         _exit_2(f"{arg}: {entry} takes its own keys without '+': {fix}; python {entry} --help lists them")
 
 
-
 def _adds_a_searcher(key: str, value: str, config_dir: Path, entry: str) -> bool:
     """`+search@searchers.NAME=OPTION`: Hydra's way to add a second planner of a kind under a new
     name (two checkpoints side by side: `algorithms=[dreamshard,NAME]
