@@ -134,7 +134,8 @@ def summarize(args: argparse.Namespace) -> None:
         if not sep or not a or not b:
             sys.exit(f"error: --pairs {spec!r}: write A/B (A's measured cost over B's per task)")
         pairs.append((a, b))
-    text = markdown(summary) + "\n" + aims(summary) + "\n" + pooled([Path(r) for r in args.runs], pairs)
+    text = (markdown(summary) + "\n" + aims(summary) + "\n" + balance_line([Path(r) for r in args.runs])
+            + "\n" + pooled([Path(r) for r in args.runs], pairs))
     out = Path(args.out)
     write_json_atomic(out / "summary.json", summary)
     write_text_atomic(out / "summary.md", text)
@@ -197,6 +198,46 @@ def aims(summary: dict) -> str:
     lines.append(f"- portfolio never worse than the best heuristic beyond the interval, mean gap to balance <= "
                  f"{PORTFOLIO_GAP_PCT:g}%: " + "; ".join(cells))
     return "\n".join(lines) + "\n"
+
+
+def balance_line(runs: list[Path]) -> str:
+    """Per setting, how low a ratio to the best heuristic the measured plans leave room for: per
+    task the lowest balance reference of any measured plan (its mean device compute plus its
+    slowest device's comm) over the best heuristic's measured cost; mean [bootstrap interval]
+    over tasks. A reference, not a bound: a plan better balanced, or with cheaper fused kernels,
+    than every plan measured on the task can go below it."""
+    import json
+
+    from embshard.report import HEURISTICS
+    from embshard.stats import paired_ratio_summary
+
+    cells = []
+    for setting in SETTINGS:
+        by_task: dict[str, list[dict]] = {}
+        for run in runs:
+            f = run / setting / "report.json"
+            if f.is_file():
+                for r in json.loads(f.read_text())["results"]:
+                    if r["valid"] and r.get("measured_cost_ms") is not None:
+                        by_task.setdefault(r["task"], []).append(r)
+        ratios = []
+        for rows in by_task.values():
+            refs = [((r.get("headroom") or {}).get("measured") or {}).get("balance_reference_ms") for r in rows]
+            refs = [x for x in refs if x is not None and x > 0]
+            best = [r["measured_cost_ms"] for r in rows if r["algorithm"] in HEURISTICS]
+            if refs and best:
+                ratios.append(min(refs) / min(best))
+        if not ratios:
+            continue
+        s = paired_ratio_summary(ratios)
+        ci = f" [{s.low:.3f}, {s.high:.3f}]" if len(ratios) > 1 else ""
+        cells.append(f"{setting}: {s.mean:.3f}{ci} ({len(ratios)} tasks)")
+    if not cells:
+        return ""
+    return ("Room left, per setting: the lowest balance reference of the task's measured plans (mean device "
+            "compute + the slowest device's comm) over the best heuristic's cost, mean [bootstrap 95% interval] "
+            "over tasks; an aim below it needs a plan better balanced than every plan measured (a reference, "
+            "not a bound):\n\n- " + "; ".join(cells) + "\n")
 
 
 #: paired comparisons summarize prints by default: the portfolio over guarded NeuroShard decides

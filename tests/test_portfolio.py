@@ -182,8 +182,10 @@ def test_portfolio_measured_on_real_kernels_returns_its_measured_best():
 
 # ----------------------------------------------------------------------------- item 5: headroom beside the ratio
 def _result(task: str, algorithm: str, cost: float, gap: float) -> dict:
+    ref = cost / (1 + gap / 100)  # the balance reference a gap of `gap` % above it implies
     return {"task": task, "algorithm": algorithm, "valid": True, "measured_cost_ms": cost, "memory_bytes": [1, 1],
-            "measured_spread_ms": 0.0, "headroom": {"measured": {"gap_pct": gap}}, "search_seconds": 0.1}
+            "measured_spread_ms": 0.0, "headroom": {"measured": {"gap_pct": gap, "balance_reference_ms": ref}},
+            "search_seconds": 0.1}
 
 
 def test_summaries_give_each_methods_gap_beside_its_ratio(tmp_path):
@@ -210,7 +212,8 @@ def test_portfolio_eval_summary_pools_every_setting_and_compares_with_neuroshard
         ("b2", "20-30x4", "t3", {"size_greedy": 10.0, "neuroshard": 11.0, "portfolio": 10.0}),  # a later batch
     ]:
         (tmp_path / run / setting).mkdir(parents=True)
-        results = [_result(task, a, c, 0.0) for a, c in costs.items()]
+        gaps = {"t1": {"portfolio": 60.0}, "t2": {"neuroshard": 25.0}, "t3": {"size_greedy": 25.0}}[task]
+        results = [_result(task, a, c, gaps.get(a, 0.0)) for a, c in costs.items()]
         (tmp_path / run / setting / "report.json").write_text(json.dumps({"results": results}))
     out = tmp_path / "summary"
     text = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "summarize",
@@ -220,6 +223,9 @@ def test_portfolio_eval_summary_pools_every_setting_and_compares_with_neuroshard
     assert f"| portfolio | {(0.8 + 0.95 + 1.0) / 3:.3f} [" in text
     assert f"portfolio over NeuroShard (guarded), per task: {(8 / 9 + 19 / 20 + 10 / 11) / 3:.3f} [" in text
     assert json.loads((out / "summary.json").read_text())["20-30x4"]["portfolio"]["tasks"] == 2
+    # room left: t1's lowest balance reference is portfolio's 8 / 1.6 = 5 over size_greedy's 10; t3's
+    # size_greedy's 10 / 1.25 = 8 over 10; t2's neuroshard's 20 / 1.25 = 16 over 20
+    assert f"- 20-30x4: {(0.5 + 0.8) / 2:.3f} [0.500, 0.800] (2 tasks); 20-30x2: 0.800 (1 tasks)" in text
     # any pair on request: lookup_greedy over size_greedy exists on t1 only (one task, no interval)
     text = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "summarize",
                            str(tmp_path / "b1"), str(tmp_path / "b2"), "--out", str(out),
