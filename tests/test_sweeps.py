@@ -34,7 +34,7 @@ def test_one_cost_model_trial_runs_offline(tmp_path, monkeypatch):
     env = dict(os.environ, WANDB_MODE="offline")
     data = tmp_path / "costdata"
     collect = subprocess.run(
-        [sys.executable, "train.py", "stage=collect", "collect=tiny", f"dataset.path={tmp_path / 'syn.pt'}",
+        [sys.executable, "train.py", "stage=collect", "collect=tiny", "measure=quick", f"dataset.path={tmp_path / 'syn.pt'}",
          "dataset.num_tables=24", "dataset.batch_size=256", f"out_dir={data}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
