@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-broad rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval scale-bench
+.PHONY: demo test venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-broad rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval rl-test-eval scale-bench
 
 venv: $(STAMP)
 
@@ -284,6 +284,17 @@ portfolio-eval: $(STAMP)
 			rounds=$(PE_ROUNDS) plot=false $(PE_EXTRA) out_dir=$(PE)/runs/$$s || exit 1; \
 	done
 	$(PY) scripts/portfolio_eval.py summarize $(PE)/runs $(PE_MORE) --out $(PE)
+
+# DreamShard and AutoShard against the six heuristics on all 144 test tasks of the evaluation (24 per
+# setting; docs/portfolio.md, "24 tasks per setting"): portfolio-eval without NeuroShard and the
+# portfolio, whose guards make the full run 7 h; about 75 min here. Tasks 6-23 first (never measured
+# before), then 0-5, whose summary pools both.
+RL_TEST ?= experiments/rl_test
+RL_TEST_ALGOS := [random,round_robin,size_greedy,dim_greedy,lookup_greedy,size_lookup_greedy,dreamshard,autoshard]
+
+rl-test-eval: $(STAMP)
+	$(MAKE) portfolio-eval PE=$(RL_TEST)/fresh PE_TASKS=18 PE_FIRST=6 PE_ALGOS='$(RL_TEST_ALGOS)'
+	$(MAKE) portfolio-eval PE=$(RL_TEST)/seen PE_TASKS=6 PE_FIRST=0 PE_ALGOS='$(RL_TEST_ALGOS)' PE_MORE=$(RL_TEST)/fresh/runs
 
 # Planning time and estimates at scale (docs/portfolio.md, "Scale"): every planner at 856 x 128 and
 # 5,384 x 1,024 (no measuring; a few minutes).
