@@ -119,13 +119,14 @@ def make_tasks(args: argparse.Namespace) -> None:
 def summarize(args: argparse.Namespace) -> None:
     from embshard.errors import InputError
     from embshard.io import write_json_atomic, write_text_atomic
-    from embshard.report import summaries_by_setting
+    from embshard.report import setting_reports, summarize_results
 
     runs = Path(args.runs[0])
     try:
-        summary = summaries_by_setting(runs, SETTINGS, more=args.runs[1:])
+        reports = setting_reports(runs, SETTINGS, more=args.runs[1:])
     except InputError as e:
         sys.exit(f"error: {e}")
+    summary = {name: summarize_results(report) for name, report in reports.items()}
     if not summary:
         sys.exit(f"error: no <setting>/report.json under {runs}")
     pairs = []
@@ -134,7 +135,7 @@ def summarize(args: argparse.Namespace) -> None:
         if not sep or not a or not b:
             sys.exit(f"error: --pairs {spec!r}: write A/B (A's measured cost over B's per task)")
         pairs.append((a, b))
-    text = (markdown(summary) + "\n" + aims(summary) + "\n" + balance_line([Path(r) for r in args.runs])
+    text = (markdown(summary) + "\n" + aims(summary) + "\n" + balance_line(reports)
             + "\n" + pooled([Path(r) for r in args.runs], pairs))
     out = Path(args.out)
     write_json_atomic(out / "summary.json", summary)
@@ -200,33 +201,14 @@ def aims(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def balance_line(runs: list[Path]) -> str:
-    """Per setting, how low a ratio to the best heuristic the measured plans leave room for: per
-    task the lowest balance reference of any measured plan (its mean device compute plus its
-    slowest device's comm) over the best heuristic's measured cost; mean [bootstrap interval]
-    over tasks. A reference, not a bound: a plan better balanced, or with cheaper fused kernels,
-    than every plan measured on the task can go below it."""
-    import json
-
-    from embshard.report import HEURISTICS
+def balance_line(reports: dict[str, dict]) -> str:
+    """Per setting, `embshard.report.room_left` over its tasks: mean [bootstrap interval]."""
+    from embshard.report import room_left
     from embshard.stats import paired_ratio_summary
 
     cells = []
-    for setting in SETTINGS:
-        by_task: dict[str, list[dict]] = {}
-        for run in runs:
-            f = run / setting / "report.json"
-            if f.is_file():
-                for r in json.loads(f.read_text())["results"]:
-                    if r["valid"] and r.get("measured_cost_ms") is not None:
-                        by_task.setdefault(r["task"], []).append(r)
-        ratios = []
-        for rows in by_task.values():
-            refs = [((r.get("headroom") or {}).get("measured") or {}).get("balance_reference_ms") for r in rows]
-            refs = [x for x in refs if x is not None and x > 0]
-            best = [r["measured_cost_ms"] for r in rows if r["algorithm"] in HEURISTICS]
-            if refs and best:
-                ratios.append(min(refs) / min(best))
+    for setting, report in reports.items():
+        ratios = room_left(report)
         if not ratios:
             continue
         s = paired_ratio_summary(ratios)

@@ -146,7 +146,7 @@ def test_probe_recovers_a_known_slowdown_and_the_checkpoint_rescales_by_it(monke
 
     monkeypatch.setattr(Stopwatch, "time", record)
     base = run_probe(proto, backend=BACKEND, comm_backend=None)
-    replay = iter(list(seen))
+    replay = iter(seen)
 
     def twice(self, fn):  # the machine at half speed: every timed step of `base` took twice as long
         # (two real runs differ by up to 1.5x on a loaded machine, which made a tolerance flaky;

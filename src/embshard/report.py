@@ -36,15 +36,13 @@ def summarize_results(report: dict[str, Any], heuristics: Sequence[str] = HEURIS
     and verdict, 25th-75th percentiles), tasks better than that heuristic and tasks worse
     beyond their own paired interval, the mean gap to the balance reference, mean search
     seconds. A task the algorithm has no measured plan for counts in `invalid`."""
-    by_task: dict[str, dict[str, dict]] = {}
-    for r in report["results"]:
-        by_task.setdefault(r["task"], {})[r["algorithm"]] = r
+    by_task = _rows_by_task(report)
     algorithms = list(dict.fromkeys(r["algorithm"] for r in report["results"]))
     out = {}
     for a in algorithms:
         costs, ratios, seconds, gaps, wins, invalid, worse = [], [], [], [], 0, 0, 0
         for task, rows in by_task.items():
-            best = min((rows[h]["measured_cost_ms"] for h in heuristics if h in rows and rows[h]["valid"]), default=None)
+            best = _best_heuristic_cost(rows, heuristics)
             r = rows.get(a)
             if r is None or not r["valid"] or r["measured_cost_ms"] is None or best is None:
                 invalid += 1
@@ -82,18 +80,44 @@ def summarize_results(report: dict[str, Any], heuristics: Sequence[str] = HEURIS
     return out
 
 
-def summaries_by_setting(runs: str | os.PathLike, settings: Sequence[str],
-                         extra: Sequence[str | os.PathLike] = (),
-                         more: Sequence[str | os.PathLike] = ()) -> dict[str, dict[str, dict[str, Any]]]:
-    """`summarize_results` of every `<runs>/<setting>/report.json`: the named settings first, in
-    their order, then any other folder by name. `more` runs hold other tasks of the same settings
-    (run separately, e.g. a later batch): their results join the main run's, and a task both
-    hold is an error. An `extra` run of the same tasks (a later pass with other algorithms,
-    judged against its own heuristics) adds the algorithms the main run lacks, each marked with
-    `run`."""
+def _rows_by_task(report: dict[str, Any]) -> dict[str, dict[str, dict]]:
+    """A report.json's results as task -> algorithm -> result."""
+    by_task: dict[str, dict[str, dict]] = {}
+    for r in report["results"]:
+        by_task.setdefault(r["task"], {})[r["algorithm"]] = r
+    return by_task
+
+
+def _best_heuristic_cost(rows: dict[str, dict], heuristics: Sequence[str]) -> float | None:
+    """The cheapest measured cost among one task's valid heuristic results (None: no heuristic)."""
+    return min((rows[h]["measured_cost_ms"] for h in heuristics if h in rows and rows[h]["valid"]), default=None)
+
+
+def room_left(report: dict[str, Any], heuristics: Sequence[str] = HEURISTICS) -> list[float]:
+    """Per task of a measured report.json, the lowest balance reference of its measured plans
+    (mean device compute + the slowest device's comm) over the best heuristic's measured cost:
+    how low a ratio to that heuristic the plans measured leave room for. A reference, not a
+    bound: a plan better balanced, or with cheaper fused kernels, than every plan measured on
+    the task can go below it. Tasks without a heuristic or a reference are left out."""
+    ratios = []
+    for rows in _rows_by_task(report).values():
+        best = _best_heuristic_cost(rows, heuristics)
+        refs = [((r.get("headroom") or {}).get("measured") or {}).get("balance_reference_ms")
+                for r in rows.values() if r["valid"] and r.get("measured_cost_ms") is not None]
+        refs = [x for x in refs if x is not None and x > 0]
+        if best is not None and refs:
+            ratios.append(min(refs) / best)
+    return ratios
+
+
+def setting_reports(runs: str | os.PathLike, settings: Sequence[str],
+                    more: Sequence[str | os.PathLike] = ()) -> dict[str, dict[str, Any]]:
+    """Every `<runs>/<setting>/report.json`: the named settings first, in their order, then any
+    other folder by name. `more` runs hold other tasks of the same settings (run separately,
+    e.g. a later batch): their results join the main run's, and a task both hold is an error."""
     runs = Path(runs)
     names = list(settings) + sorted(p.name for p in runs.iterdir() if p.is_dir() and p.name not in settings)
-    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    reports: dict[str, dict[str, Any]] = {}
     for name in names:
         f = runs / name / "report.json"
         if not f.is_file():
@@ -107,6 +131,21 @@ def summaries_by_setting(runs: str | os.PathLike, settings: Sequence[str],
                 if both:
                     raise InputError(f"{g}: task {sorted(both)[0]!r} is also in {f}; `more` runs must hold other tasks")
                 report = dict(report, results=report["results"] + results)
+        reports[name] = report
+    return reports
+
+
+def summaries_by_setting(runs: str | os.PathLike, settings: Sequence[str],
+                         extra: Sequence[str | os.PathLike] = (),
+                         more: Sequence[str | os.PathLike] = ()) -> dict[str, dict[str, dict[str, Any]]]:
+    """`summarize_results` of every `<runs>/<setting>/report.json`: the named settings first, in
+    their order, then any other folder by name. `more` runs hold other tasks of the same settings
+    (run separately, e.g. a later batch): their results join the main run's, and a task both
+    hold is an error. An `extra` run of the same tasks (a later pass with other algorithms,
+    judged against its own heuristics) adds the algorithms the main run lacks, each marked with
+    `run`."""
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, report in setting_reports(runs, settings, more).items():
         summary[name] = summarize_results(report)
         for run in extra:
             g = Path(run) / name / "report.json"
