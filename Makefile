@@ -25,8 +25,12 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) shard.py
 
+# two pytest workers (pytest-xdist): many slow tests are subprocesses that spend seconds importing
+# torch and torchrec on one core each; PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
 
 clean:
 	rm -rf $(VENV) outputs multirun mutants

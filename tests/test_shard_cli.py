@@ -144,7 +144,8 @@ def test_measured_run_on_real_kernels_with_chart_guard_and_headroom(tmp_path):
     proc = run_shard(f"task_file={tmp_path / 'task.json'}", "algorithms=[size_greedy,lookup_greedy,neuroshard]",
                      "evaluate=measured", "rounds=2", "measure=quick", "measure.repetitions=3",
                      "searchers.neuroshard.verify=2", "searchers.neuroshard.verify_heuristics=[size_greedy]",
-                     "searchers.neuroshard.verify_visits=1", "searchers.neuroshard.verify_budget_s=20", f"out_dir={out}")
+                     "searchers.neuroshard.verify_visits=1", "searchers.neuroshard.verify_budget_s=20",
+                     "searchers.neuroshard.verify_max_rounds=4", f"out_dir={out}")
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "report.json").read_text())
     assert [r["algorithm"] for r in report["results"]] == ["size_greedy", "lookup_greedy", "neuroshard", "neuroshard_pick"]
@@ -169,6 +170,7 @@ def test_measured_run_on_real_kernels_with_chart_guard_and_headroom(tmp_path):
         if decision["verdict"] == "better":
             assert decision["ratio"]["high"] < 1.0
         assert guard["chosen"] == (s if decision["verdict"] == "better" else h)
+        assert 1 <= decision["rounds"] <= 4  # verify_max_rounds
     assert report["results"][2]["search_seconds"] > guard["measure_seconds"] > 0
     assert "imbalance" in proc.stdout and "gap to balance" in proc.stdout and "neuroshard_pick" in proc.stdout
     assert (out / "measured_cost.png").read_bytes()[:4] == b"\x89PNG"
