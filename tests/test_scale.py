@@ -248,3 +248,25 @@ def test_shipped_dreamshard_estimates_far_outside_its_training_from_its_own_netw
     assert 0.5 < network_ms / ref < 3.0
     assert s.shard(task).signature() == plan.signature()
     assert s.last_search_info["estimate"]["source"] == "analytic"
+
+
+def test_dreamshard_lazy_step_prices_the_taken_device_as_advance_would():
+    """A lazy step also prices each candidate as it will be once it took the table, so that
+    `advance` reads the chosen device's costs instead of running the network again: they must
+    be what `advance` computes itself (its fallback, for a device outside the candidates)."""
+    agent = DreamShardSharder("checkpoints/dreamshard_cpu/policy.pt", samples=0).load()
+    task = make_task(30, 12)
+    with torch.inference_mode():
+        view = agent.prepare(task)
+        state = agent.init_state(view, 2, lazy=True)
+        placed = torch.tensor([True, True])
+        for t in range(12):
+            cand = torch.topk(agent.candidate_scores(view, state), 4, dim=1, largest=False).indices
+            logits, _ = agent.step(view, state, t, None, cand)
+            assert state["taken"][1].shape == (2, 4, 3)
+            devices = cand.gather(1, logits.argmax(1, keepdim=True)).squeeze(1)
+            twin = {k: v.clone() for k, v in state.items() if k != "taken"}  # advance without the step's prices
+            agent.advance(view, state, t, devices, placed)
+            agent.advance(view, twin, t, devices, placed)
+            torch.testing.assert_close(state["costs"], twin["costs"], rtol=1e-5, atol=1e-6)
+            assert "taken" not in state

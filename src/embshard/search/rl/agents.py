@@ -139,19 +139,34 @@ class DreamShardAgent(_Estimating):
         smax = state["Smax"] if "Smax" in state else state["S"].max(dim=1).values
         net = self.costnet
         task = self._task_context(state, d) if net.structured_comm else None
-        cf = cost_features(net.device_costs(s, cnt, max_sums=smax, task=task), view.even_ms)
-        rec = {"cost": cf} if record else {}
         table_enc = whatif = None
         if self.policy.encode_table:
             enc = view.cache["enc_c"][t]
             # as `step`: every device's cost were it to take the table (the context's max too;
-            # the task's payload grows by the table's, once)
-            task_if = None if task is None else TaskContext(task.total_mb + net.encoder.volume_mb(enc), task.devices,
-                                                           task.slowest_ms)
-            whatif = cost_features(net.device_costs(s + enc, cnt + 1, max_sums=smax + enc, task=task_if), view.even_ms)
-            if record:
-                rec["whatif"] = whatif
+            # the task's payload grows by the table's, once); one batched call for now and what-if
+            blocks = 2
+            sums, cnts, maxes = [s, s + enc], [cnt, cnt + 1], [smax, smax + enc]
+            total_if = None if task is None else task.total_mb + net.encoder.volume_mb(enc)
+            if "Smax" in state:  # a lazy state: also each candidate's costs once it took the table, as
+                # `advance` computes them (the devices' max grows by this device only), so that
+                # `advance` need not run the network again for a candidate
+                blocks = 3
+                m = s.shape[1]
+                sums, cnts = sums + [s + enc], cnts + [cnt + 1]
+                maxes = [x.unsqueeze(1).expand(-1, m, -1) for x in maxes] + [torch.maximum(smax.unsqueeze(1), s + enc)]
+            task_all = None if task is None else TaskContext(
+                torch.cat([task.total_mb, total_if] + [total_if] * (blocks - 2)),
+                task.devices.repeat(blocks), task.slowest_ms.repeat(blocks))
+            out = net.device_costs(torch.cat(sums), torch.cat(cnts), max_sums=torch.cat(maxes), task=task_all)
+            cf, whatif = cost_features(out[:k], view.even_ms), cost_features(out[k : 2 * k], view.even_ms)
+            if blocks == 3:
+                state["taken"] = (cand, out[2 * k :])
             table_enc = state["enc_p"][t].expand(k, -1)
+        else:
+            cf = cost_features(net.device_costs(s, cnt, max_sums=smax, task=task), view.even_ms)
+        rec = {"cost": cf} if record else {}
+        if record and whatif is not None:
+            rec["whatif"] = whatif
         logits = self.policy.logits(_rows(state["U"], cand) * (d / view.num_tables), cf, table_enc, whatif)
         return logits, rec
 
@@ -177,9 +192,14 @@ class DreamShardAgent(_Estimating):
         rows = torch.arange(len(devices))
         s = state["S"][rows, devices]
         state["Smax"] = torch.maximum(state["Smax"], s)
-        task = self._task_context(state, view.num_devices) if self.costnet.structured_comm else None
-        fresh = self.costnet.device_costs(s[:, None], state["cnt"][rows, devices][:, None], max_sums=state["Smax"],
-                                          task=task)
+        taken = state.pop("taken", None)
+        hit = None if taken is None else taken[0] == devices[:, None]  # [K, M]: the device was a candidate
+        if hit is not None and bool(hit.any(dim=1).all()):
+            fresh = taken[1][hit][:, None]  # the step's costs of the device that took the table
+        else:
+            task = self._task_context(state, view.num_devices) if self.costnet.structured_comm else None
+            fresh = self.costnet.device_costs(s[:, None], state["cnt"][rows, devices][:, None], max_sums=state["Smax"],
+                                              task=task)
         state["costs"][rows, devices] = torch.where(placed[:, None], fresh[:, 0], state["costs"][rows, devices])
 
     def finish(self, view, state) -> None:

@@ -207,10 +207,11 @@ def rollout(agent: Agent, view: TaskView, k: int, *, train: bool, sample: bool =
         greedy[0] = True
     memory = float(task.device_memory_bytes)
     used = torch.tensor([[1.0 - f / memory for f in led.free] for led in ledgers], dtype=torch.float32)
+    free = torch.tensor([led.free for led in ledgers], dtype=torch.float64) if lazy else None  # bytes, kept in step
     for t in range(n):
         table, need = tables[t], view.needs[t]
         if lazy:
-            devices[:, t] = _place_candidates(agent, view, state, t, table, used, ledgers, int(max_candidates),
+            devices[:, t] = _place_candidates(agent, view, state, t, table, used, free, ledgers, int(max_candidates),
                                               greedy, generator)
         else:
             logits, rec = agent.step(view, state, t, used.clone())
@@ -249,6 +250,8 @@ def rollout(agent: Agent, view: TaskView, k: int, *, train: bool, sample: bool =
         for i in np.flatnonzero(placed.numpy()).tolist():  # the memory share of the device that took it
             dev = int(devices[i, t])
             used[i, dev] = 1.0 - ledgers[i].free[dev] / memory
+            if free is not None:
+                free[i, dev] = ledgers[i].free[dev]
         agent.advance(view, state, t, devices[:, t].clamp(min=0), placed)
     steps = torch.zeros((k, n), dtype=torch.bool)
     for i in range(k):  # an episode's steps run up to and including the one that overflowed
@@ -262,13 +265,13 @@ def rollout(agent: Agent, view: TaskView, k: int, *, train: bool, sample: bool =
 
 
 def _place_candidates(agent: Agent, view: TaskView, state: dict[str, torch.Tensor], t: int, table: Table,
-                      used: torch.Tensor, ledgers: list[MemoryLedger], m: int, greedy: torch.Tensor,
+                      used: torch.Tensor, free: torch.Tensor, ledgers: list[MemoryLedger], m: int, greedy: torch.Tensor,
                       generator: torch.Generator | None) -> torch.Tensor:
     """One planning step of a lazy state: score the `m` devices with room whose predicted cost
     is lowest now, then place through the ledger: those devices by logit (Gumbel-perturbed for
-    a sampled episode), then every other device cheapest first."""
+    a sampled episode), then every other device cheapest first (ordered only when the ledger
+    asks past the scored ones). `free` [K, D]: the ledgers' free bytes."""
     need = view.needs[t]
-    free = torch.tensor([led.free for led in ledgers], dtype=torch.float64)
     score = agent.candidate_scores(view, state).double().masked_fill(free < need, float("inf"))
     cand = torch.topk(score, m, dim=1, largest=False).indices
     logits, _ = agent.step(view, state, t, used, cand)
@@ -278,10 +281,13 @@ def _place_candidates(agent: Agent, view: TaskView, state: dict[str, torch.Tenso
         logits[noisy] += -torch.log(-torch.log(u[noisy]))
     first = cand.gather(1, torch.argsort(logits, dim=1, descending=True)).tolist()
     out = torch.empty(len(ledgers), dtype=torch.long)
-    for i, led in enumerate(ledgers):
+
+    def rest(i: int):
         scored = set(first[i])
-        rest = (d for d in torch.argsort(score[i]).tolist() if d not in scored)
-        out[i] = led.place(table, need, itertools.chain(first[i], rest))
+        yield from (d for d in torch.argsort(score[i]).tolist() if d not in scored)
+
+    for i, led in enumerate(ledgers):
+        out[i] = led.place(table, need, itertools.chain(first[i], rest(i)))
     return out
 
 

@@ -21,13 +21,23 @@ from torch import nn
 HEADS = ("compute", "forward_comm", "backward_comm")
 
 
-def mlp(sizes: Sequence[int], relu_last: bool = False) -> nn.Sequential:
+class MLP(nn.Sequential):
+    """Linear and ReLU layers (the state-dict keys of nn.Sequential), run without a module call
+    per layer: planning runs thousands of small forwards, where that call is most of the time."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = nn.functional.linear(x, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else torch.relu(x)
+        return x
+
+
+def mlp(sizes: Sequence[int], relu_last: bool = False) -> MLP:
     layers: list[nn.Module] = []
     for i in range(len(sizes) - 1):
         layers.append(nn.Linear(sizes[i], sizes[i + 1]))
         if i < len(sizes) - 2 or relu_last:
             layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    return MLP(*layers)
 
 
 def _zero_linear(width: int) -> nn.Linear:
@@ -130,13 +140,16 @@ class DreamShardCostNet(nn.Module):
         computes nothing); `device_mask` [..., D] marks real devices when D is padded.
         `max_sums` [..., E]: the element-wise max of the sums over ALL the task's devices, when
         `sums` holds only some of them (the comm heads' context is taken from it); `task`: the
-        same for the structured comm heads (total payload, device count, slowest compute)."""
+        same for the structured comm heads (total payload, device count, slowest compute);
+        `max_sums` [..., D, E] gives each device its own context."""
         feats = self.encoder.features(sums)
         if max_sums is None:
             ctx = self.context(feats, device_mask)
         else:  # features are monotone in the sums: the max of the features is the features of the max
             ctx = self.encoder.features(max_sums)
-        ctx = ctx.unsqueeze(-2).expand_as(feats)
+        if ctx.dim() < feats.dim():
+            ctx = ctx.unsqueeze(-2)
+        ctx = ctx.expand_as(feats)
         both = torch.cat([feats, ctx], dim=-1)
         compute = self.encoder.compute_log(self.compute, sums, counts)
         if self.structured_comm:

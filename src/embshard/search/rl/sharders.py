@@ -84,7 +84,7 @@ class RLSharder:
         agent = self.load()
         start = time.perf_counter()
         samples = self.samples_for(task)
-        with torch_threads(self.num_threads), torch.no_grad():
+        with torch_threads(self.num_threads), torch.inference_mode():  # no autograd bookkeeping per op
             gen = torch.Generator().manual_seed(self.seed)
             plan, estimate_ms = best_plan(agent, task, samples, generator=gen, algorithm=self.name,
                                           max_candidates=self.max_candidates)
