@@ -5,7 +5,9 @@ including the portfolio, summarised with bootstrap intervals against the issue's
     python shard.py task_file=experiments/portfolio_eval/tasks/<setting> algorithms=[...] out_dir=.../runs/<setting>
     python scripts/portfolio_eval.py summarize experiments/portfolio_eval/runs --out experiments/portfolio_eval
 
-(`make portfolio-eval` runs all of it.) The tasks come from the TEST tables of a pool's train /
+    python scripts/portfolio_eval.py combine <pass 1>/summary.json <pass 2>/summary.json      # disjoint tasks, one table
+
+(`make portfolio-eval` runs the first three.) The tasks come from the TEST tables of a pool's train /
 validation / test split (`embshard.data.split.TableSplit`; by default a fresh 512-table
 synthetic pool, seed 2, generated under data/ on first use, split 50 / 25 / 25 %, so 128 test
 tables), and the script refuses to write them when any holds a table one of the checkpoints
@@ -264,6 +266,110 @@ def pooled(runs: list[Path], pairs: list[tuple[str, str]] | tuple = PAIRS) -> st
     return "\n".join(lines) + "\n"
 
 
+def combine(args: argparse.Namespace) -> None:
+    """Several passes' summary.json (disjoint tasks of the same settings) as one: per setting and
+    algorithm the ratios to each pass's best heuristic per task, together, with the bootstrap
+    interval over all the tasks; the aims; every setting pooled; and A over B per task (the
+    quotient of their ratios, which share the task's best heuristic)."""
+    import json
+
+    import numpy as np
+
+    from embshard.io import write_json_atomic, write_text_atomic
+    from embshard.stats import paired_ratio_summary
+
+    passes = []
+    if len({Path(f).resolve() for f in args.summaries}) < len(args.summaries):
+        sys.exit("error: a summary is named twice")
+    for f in args.summaries:
+        try:
+            passes.append((f, json.loads(Path(f).read_text())))
+        except (OSError, ValueError) as e:
+            sys.exit(f"error: {f}: {e}")
+    pairs = []
+    for spec in args.pairs:
+        a, sep, b = spec.partition("/")
+        if not sep or not a or not b:
+            sys.exit(f"error: --pairs {spec!r}: write A/B")
+        pairs.append((a, b))
+    unnamed = [f for f, p in passes if any(not m.get("task_names") for rows in p.values() for m in rows.values()
+                                            if m.get("tasks"))]
+    combined: dict[str, dict[str, dict]] = {}
+    per_task: dict[tuple[str, str], list[tuple[str | None, float]]] = {}  # (setting, algorithm) -> (task, ratio)
+    for f, summary in passes:
+        for setting, rows in summary.items():
+            for a, m in rows.items():
+                if not m.get("tasks"):
+                    continue
+                names = m.get("task_names") or [None] * len(m["ratios"])
+                if len(names) != len(m["ratios"]):
+                    sys.exit(f"error: {f}: {setting}/{a}: {len(names)} task names for {len(m['ratios'])} ratios")
+                seen = {t for t, _ in per_task.get((setting, a), []) if t is not None}
+                twice = [t for t in names if t is not None and t in seen]
+                if twice:
+                    sys.exit(f"error: {f}: task {twice[0]} ({setting}, {a}) is in an earlier summary too")
+                per_task.setdefault((setting, a), []).extend(zip(names, m["ratios"]))
+                c = combined.setdefault(setting, {}).setdefault(
+                    a, {"tasks": 0, "invalid": 0, "worse_beyond_interval": 0, "_gap": [], "passes": []})
+                c["tasks"] += m["tasks"]
+                c["invalid"] += m.get("invalid", 0)
+                c["worse_beyond_interval"] += m.get("worse_beyond_interval", 0)
+                if m.get("mean_gap_pct") is not None:
+                    c["_gap"].append((m["mean_gap_pct"], m["tasks"]))
+                c["passes"].append({"summary": str(f), "tasks": m["tasks"]})
+    for setting, rows in combined.items():
+        for a, c in rows.items():
+            r = [x for _, x in per_task[setting, a]]
+            gap = c.pop("_gap")
+            c.update(mean_ratio=float(np.mean(r)), ratio_ci=paired_ratio_summary(r).to_dict() if len(r) > 1 else None,
+                     mean_gap_pct=(sum(g * n for g, n in gap) / sum(n for _, n in gap)) if gap else None,
+                     ratios=r, task_names=[t for t, _ in per_task[setting, a]])
+
+    def cell(mean: float, ci: dict | None) -> str:
+        return f"{mean:.3f}" + (f" [{ci['low']:.3f}, {ci['high']:.3f}] {ci['verdict']}" if ci else "")
+
+    from embshard.report import settings_markdown
+
+    sizes = [f"{f}: {sum(max((m.get('tasks') or 0) for m in rows.values()) for rows in p.values())} tasks"
+             for f, p in passes]
+    lines = [f"{len(passes)} pass(es) together ({'; '.join(sizes)}). Ratio to each pass's best "
+             "heuristic per task: mean [bootstrap 95% interval over tasks] verdict, tasks worse beyond their own "
+             "interval; the mean gap to the balance reference.", ""]
+    lines += settings_markdown(combined, lambda c: f"{cell(c['mean_ratio'], c['ratio_ci'])}, "
+                               f"{c['worse_beyond_interval']}/{c['tasks']} worse"
+                               + (f"; gap {c['mean_gap_pct']:+.1f}%" if c["mean_gap_pct"] is not None else ""),
+                               [f"{LABELS.get(s, s)} ({s})" for s in combined])
+    lines += ["", aims(combined)]
+    algos = list(dict.fromkeys(a for rows in combined.values() for a in rows))
+    lines += ["All settings together: ratio to the best heuristic per task, mean [bootstrap 95% interval]; tasks:", "",
+              "| algorithm | ratio to the best heuristic | tasks |", "|---|---|---|"]
+    for a in algos:
+        r = [x for s in combined for _, x in per_task.get((s, a), [])]
+        lines.append(f"| {a} | {cell(float(np.mean(r)), paired_ratio_summary(r).to_dict() if len(r) > 1 else None)} "
+                     f"| {len(r)} |")
+    for a, b in pairs:
+        q = []
+        for s in combined:
+            ra, rb = per_task.get((s, a), []), per_task.get((s, b), [])
+            if all(t is not None for t, _ in ra + rb):
+                by_b = dict(rb)
+                q += [x / by_b[t] for t, x in ra if t in by_b]
+            elif len(ra) == len(rb) and not (combined[s][a]["invalid"] or combined[s][b]["invalid"]):
+                q += [x / y for (_, x), (_, y) in zip(ra, rb)]  # unnamed: the same tasks in the same order
+        if q:
+            lines += ["", f"{a} over {b}, per task: {cell(float(np.mean(q)), paired_ratio_summary(q).to_dict() if len(q) > 1 else None)}"
+                          f" over {len(q)} tasks"]
+    if unnamed:
+        lines += ["", "Summaries without task names (written before they were recorded; their tasks cannot be checked "
+                      "for overlap, and A over B pairs their ratios in order): " + ", ".join(map(str, unnamed))]
+    text = "\n".join(lines) + "\n"
+    out = Path(args.out)
+    write_json_atomic(out / "combined.json", combined)
+    write_text_atomic(out / "combined.md", text)
+    print(text)
+    print(f"wrote {out / 'combined.json'}, {out / 'combined.md'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -290,10 +396,15 @@ def main() -> None:
     s.add_argument("--pairs", nargs="*", default=[f"{a}/{b}" for a, b in PAIRS],
                    help="A/B: A's measured cost over B's per task, pooled over every setting (default: %(default)s)")
     s.add_argument("--out", default=str(ROOT / "experiments" / "portfolio_eval"))
+    c = sub.add_parser("combine", help="several passes' summary.json (disjoint tasks of the same settings) as one")
+    c.add_argument("summaries", nargs="+", help="summary.json files of `summarize`")
+    c.add_argument("--pairs", nargs="*", default=[f"{a}/{b}" for a, b in PAIRS],
+                   help="A/B: A over B per task, every setting together (default: %(default)s)")
+    c.add_argument("--out", default=str(ROOT / "experiments" / "portfolio_eval" / "combined"))
     args = ap.parse_args()
     if args.cmd == "tasks" and (args.num_tasks < 1 or args.first_task < 0):
         sys.exit("error: --num-tasks must be at least 1 and --first-task at least 0")
-    {"tasks": make_tasks, "summarize": summarize}[args.cmd](args)
+    {"tasks": make_tasks, "summarize": summarize, "combine": combine}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -237,3 +237,37 @@ def test_portfolio_eval_summary_pools_every_setting_and_compares_with_neuroshard
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "summarize",
                           str(tmp_path / "b1"), "--out", str(out), "--pairs", "portfolio"], capture_output=True, text=True)
     assert bad.returncode != 0 and bad.stderr.strip().splitlines() == ["error: --pairs 'portfolio': write A/B (A's measured cost over B's per task)"]
+
+
+def test_portfolio_eval_combine_joins_passes_per_task_and_refuses_a_task_twice(tmp_path):
+    """Two passes summarised apart, then combined: the same figures as one summary of both."""
+    script = [sys.executable, str(ROOT / "scripts" / "portfolio_eval.py")]
+    for run, setting, task, costs in [
+        ("b1", "20-30x4", "t1", {"size_greedy": 10.0, "neuroshard": 9.0, "portfolio": 8.0}),
+        ("b1", "20-30x2", "t2", {"size_greedy": 20.0, "neuroshard": 20.0, "portfolio": 19.0}),
+        ("b2", "20-30x4", "t3", {"size_greedy": 10.0, "neuroshard": 11.0, "portfolio": 10.0}),
+    ]:
+        (tmp_path / run / setting).mkdir(parents=True, exist_ok=True)
+        results = [_result(task, a, c, 10.0 if a == "portfolio" else 2.0) for a, c in costs.items()]
+        (tmp_path / run / setting / "report.json").write_text(json.dumps({"results": results}))
+    for run in ("b1", "b2"):
+        subprocess.run([*script, "summarize", str(tmp_path / run), "--out", str(tmp_path / f"s_{run}")],
+                       capture_output=True, text=True, check=True)
+    out = tmp_path / "both"
+    text = subprocess.run([*script, "combine", str(tmp_path / "s_b1" / "summary.json"),
+                           str(tmp_path / "s_b2" / "summary.json"), "--out", str(out)],
+                          capture_output=True, text=True, check=True).stdout
+    combined = json.loads((out / "combined.json").read_text())
+    four = combined["20-30x4"]["portfolio"]
+    assert four["tasks"] == 2 and four["task_names"] == ["t1", "t3"]
+    assert four["mean_ratio"] == pytest.approx((0.8 + 1.0) / 2) and four["mean_gap_pct"] == pytest.approx(10.0)
+    assert combined["20-30x2"]["portfolio"]["tasks"] == 1
+    assert f"| portfolio | {(0.8 + 0.95 + 1.0) / 3:.3f} [" in text
+    assert f"portfolio over neuroshard, per task: {(8 / 9 + 19 / 20 + 10 / 11) / 3:.3f} [" in text
+    assert "Summaries without task names" not in text
+    # the same tasks in two summaries (a copy of b1's) are refused, naming the task
+    copy = tmp_path / "copy.json"
+    copy.write_text((tmp_path / "s_b1" / "summary.json").read_text())
+    bad = subprocess.run([*script, "combine", str(tmp_path / "s_b1" / "summary.json"), str(copy), "--out", str(out)],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "task t1 (20-30x4, size_greedy) is in an earlier summary too" in bad.stderr

@@ -40,7 +40,7 @@ def summarize_results(report: dict[str, Any], heuristics: Sequence[str] = HEURIS
     algorithms = list(dict.fromkeys(r["algorithm"] for r in report["results"]))
     out = {}
     for a in algorithms:
-        costs, ratios, seconds, gaps, wins, invalid, worse = [], [], [], [], 0, 0, 0
+        costs, ratios, names, seconds, gaps, wins, invalid, worse = [], [], [], [], [], 0, 0, 0
         for task, rows in by_task.items():
             best = _best_heuristic_cost(rows, heuristics)
             r = rows.get(a)
@@ -49,6 +49,7 @@ def summarize_results(report: dict[str, Any], heuristics: Sequence[str] = HEURIS
                 continue
             costs.append(r["measured_cost_ms"])
             ratios.append(r["measured_cost_ms"] / best)
+            names.append(task)
             seconds.append(r["search_seconds"] or 0.0)
             wins += r["measured_cost_ms"] < best
             gap = ((r.get("headroom") or {}).get("measured") or {}).get("gap_pct")
@@ -76,6 +77,7 @@ def summarize_results(report: dict[str, Any], heuristics: Sequence[str] = HEURIS
             "beats_best_heuristic": int(wins),
             "mean_search_seconds": float(np.mean(seconds)),
             "ratios": [round(x, 4) for x in ratios],
+            "task_names": names,  # the task of each ratio
         }
     return out
 
