@@ -56,6 +56,8 @@ class DmpStep:
     step_ms: float
     step_noise: float
     step_samples_ms: list[float] = field(default_factory=list)
+    #: per rank, its total of the phases in each repetition (visit-major, as `step_samples_ms`)
+    rank_samples_ms: list[list[float]] = field(default_factory=list)
 
     @property
     def rank_total_ms(self) -> list[float]:
@@ -94,15 +96,18 @@ def measure_dmp_steps(task: Task, plans: Sequence[Plan], protocol: MeasurementPr
         # samples[rank][phase][visit][rep]
         phases = {ph: [protocol.summarize(per_rank[r][k][i], seed=r) for r in range(d)] for i, ph in enumerate(PHASES)}
         n_visits = len(per_rank[0][k][0])
-        per_visit = []
+        per_visit, totals = [], [[] for _ in range(d)]
         for v in range(n_visits):
             reps = len(per_rank[0][k][0][v])
-            per_visit.append([max(sum(per_rank[r][k][i][v][j] for i in range(len(PHASES))) for r in range(d))
-                              for j in range(reps)])
+            rank_reps = [[sum(per_rank[r][k][i][v][j] for i in range(len(PHASES))) for j in range(reps)]
+                         for r in range(d)]
+            for r in range(d):
+                totals[r] += rank_reps[r]
+            per_visit.append([max(rank_reps[r][j] for r in range(d)) for j in range(reps)])
         step: Timing = protocol.summarize(per_visit)
         out.append(DmpStep([t.median_ms for t in phases["input_dist"]], [t.median_ms for t in phases["forward"]],
                            [t.median_ms for t in phases["backward"]], step.median_ms, step.noise,
-                           list(step.samples_ms)))
+                           list(step.samples_ms), totals))
     return out
 
 
