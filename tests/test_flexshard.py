@@ -533,3 +533,25 @@ def test_sequence_task_stage_and_plan_checks(tmp_path):
         resolve_sequence_plans(["row_wise"], task, 2, None, ["row_wise"], fit_batches=4)
     with pytest.raises(InputError, match="fitted on steps"):
         resolve_sequence_plans(["flexshard"], task, 4, lambda n: instantiate(cfg.searchers[n]), ["flexshard"], fit_batches=2)
+
+
+def test_two_level_estimate_counts_per_host_dedup_by_hand():
+    """scripts/flexshard_two_level.py: ids that cross hosts go through the requester's rail proxy
+    and each distinct id crosses once per host."""
+    from scripts.flexshard_two_level import inter_host_all_to_all, two_level_step
+
+    t = Table("s", 10, 4, 2.0, kind="sequence")
+    task = Task("hand2", 4, 1 << 20, 4, (t,), devices_per_host=2)  # hosts {0, 1} and {2, 3}
+    plan = Plan(task.name, "rw", [Shard("s", 2, 0, 4, 0, 5), Shard("s", 3, 0, 4, 5, 5)], dedup_ids=True)
+    model = TrafficModel(task, plan)
+    # one sample per device: device 0 looks up 0, 6; device 1 0, 1; device 2 0 (its own); device 3 7 (its own)
+    today, two = two_level_step(model, {"s": (np.array([0, 6, 0, 1, 0, 7]), np.array([2, 2, 1, 1]))})
+    counts = 8 * 8  # the split counts: one int64 on each of the 8 inter-host pairs, both ways
+    vec = 4 * 4
+    # today: 0->2 {0}, 0->3 {6}, 1->2 {0, 1}: 4 ids and 4 vectors each way
+    assert inter_host_all_to_all(model, today) == counts + 4 * 8 + 2 * 4 * vec
+    # two-level: host 0's proxy for device 2 is device 0 (ids {0, 1}), for device 3 device 1 ({6})
+    assert inter_host_all_to_all(model, two) == counts + 3 * 8 + 2 * 3 * vec
+    assert two.phases["ids_to_proxy"][1, 0] == 2 * 8 and two.phases["ids_to_proxy"][0, 1] == 8
+    assert two.phases["embeddings_from_proxy"][0, 1] == 2 * vec and two.phases["embeddings_from_proxy"][1, 0] == vec
+    assert two.phases["ids_to_proxy"].sum() == 3 * 8
