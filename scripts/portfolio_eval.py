@@ -118,6 +118,30 @@ def make_tasks(args: argparse.Namespace) -> None:
           f"{len(split.tables['test'])} test tables of {dataset} -> {out / 'split.json'}")
 
 
+def parse_pairs(specs: list[str]) -> list[tuple[str, str]]:
+    """--pairs A/B ... as (A, B) tuples; a malformed one exits with a one-line error."""
+    pairs = []
+    for spec in specs:
+        a, sep, b = spec.partition("/")
+        if not sep or not a or not b:
+            sys.exit(f"error: --pairs {spec!r}: write A/B (A's measured cost over B's per task)")
+        pairs.append((a, b))
+    return pairs
+
+
+def ratio_cell(mean: float, ci: dict | None) -> str:
+    """mean [low, high] verdict (a ratio without an interval: the mean alone)."""
+    return f"{mean:.3f}" + (f" [{ci['low']:.3f}, {ci['high']:.3f}] {ci['verdict']}" if ci else "")
+
+
+def ratios_cell(ratios: list[float]) -> str:
+    """`ratio_cell` of paired ratios: their mean and bootstrap interval (none for one ratio)."""
+    from embshard.stats import paired_ratio_summary
+
+    s = paired_ratio_summary(ratios)
+    return ratio_cell(s.mean, s.to_dict() if len(ratios) > 1 else None)
+
+
 def summarize(args: argparse.Namespace) -> None:
     from embshard.errors import InputError
     from embshard.io import write_json_atomic, write_text_atomic
@@ -131,12 +155,7 @@ def summarize(args: argparse.Namespace) -> None:
     summary = {name: summarize_results(report) for name, report in reports.items()}
     if not summary:
         sys.exit(f"error: no <setting>/report.json under {runs}")
-    pairs = []
-    for spec in args.pairs:
-        a, sep, b = spec.partition("/")
-        if not sep or not a or not b:
-            sys.exit(f"error: --pairs {spec!r}: write A/B (A's measured cost over B's per task)")
-        pairs.append((a, b))
+    pairs = parse_pairs(args.pairs)
     text = (markdown(summary) + "\n" + aims(summary) + "\n" + balance_line(reports)
             + "\n" + pooled([Path(r) for r in args.runs], pairs))
     out = Path(args.out)
@@ -237,7 +256,6 @@ def pooled(runs: list[Path], pairs: list[tuple[str, str]] | tuple = PAIRS) -> st
     import json
 
     from embshard.report import summarize_results
-    from embshard.stats import paired_ratio_summary
 
     results = [r for run in runs for f in sorted(run.glob("*/report.json")) for r in json.loads(f.read_text())["results"]]
     if not results:
@@ -246,23 +264,17 @@ def pooled(runs: list[Path], pairs: list[tuple[str, str]] | tuple = PAIRS) -> st
     lines = [f"All settings together ({len(tasks)} tasks): measured cost over the best heuristic's per task, "
              "mean [bootstrap 95% interval over tasks] verdict; tasks:", "",
              "| algorithm | ratio to the best heuristic | tasks |", "|---|---|---|"]
-
-    def cell(mean: float, ci: dict | None) -> str:
-        return f"{mean:.3f}" + (f" [{ci['low']:.3f}, {ci['high']:.3f}] {ci['verdict']}" if ci else "")
-
     for a, m in summarize_results({"results": results}).items():  # one report of every task
-        lines.append(f"| {a} | {cell(m['mean_ratio'], m.get('ratio_ci')) if m['tasks'] else '-'} | {m['tasks']} |")
+        lines.append(f"| {a} | {ratio_cell(m['mean_ratio'], m.get('ratio_ci')) if m['tasks'] else '-'} | {m['tasks']} |")
     cost = {(r["task"], r["algorithm"]): r["measured_cost_ms"] for r in results
             if r["valid"] and r.get("measured_cost_ms") is not None}
     for a, b in pairs:
         both = [cost[t, a] / cost[t, b] for t in tasks if (t, a) in cost and (t, b) in cost]
         if not both:
             continue
-        s = paired_ratio_summary(both)
-        ci = s.to_dict() if len(both) > 1 else None
         name = "NeuroShard (guarded)" if b == "neuroshard" else b
         note = f" ({NOTES[a, b]})" if (a, b) in NOTES else ""
-        lines += ["", f"{a} over {name}, per task: {cell(s.mean, ci)} over {len(both)} tasks{note}"]
+        lines += ["", f"{a} over {name}, per task: {ratios_cell(both)} over {len(both)} tasks{note}"]
     return "\n".join(lines) + "\n"
 
 
@@ -286,12 +298,7 @@ def combine(args: argparse.Namespace) -> None:
             passes.append((f, json.loads(Path(f).read_text())))
         except (OSError, ValueError) as e:
             sys.exit(f"error: {f}: {e}")
-    pairs = []
-    for spec in args.pairs:
-        a, sep, b = spec.partition("/")
-        if not sep or not a or not b:
-            sys.exit(f"error: --pairs {spec!r}: write A/B")
-        pairs.append((a, b))
+    pairs = parse_pairs(args.pairs)
     unnamed = [f for f, p in passes if any(not m.get("task_names") for rows in p.values() for m in rows.values()
                                             if m.get("tasks"))]
     combined: dict[str, dict[str, dict]] = {}
@@ -325,9 +332,6 @@ def combine(args: argparse.Namespace) -> None:
                      mean_gap_pct=(sum(g * n for g, n in gap) / sum(n for _, n in gap)) if gap else None,
                      ratios=r, task_names=[t for t, _ in per_task[setting, a]])
 
-    def cell(mean: float, ci: dict | None) -> str:
-        return f"{mean:.3f}" + (f" [{ci['low']:.3f}, {ci['high']:.3f}] {ci['verdict']}" if ci else "")
-
     from embshard.report import settings_markdown
 
     sizes = [f"{f}: {sum(max((m.get('tasks') or 0) for m in rows.values()) for rows in p.values())} tasks"
@@ -335,7 +339,7 @@ def combine(args: argparse.Namespace) -> None:
     lines = [f"{len(passes)} pass(es) together ({'; '.join(sizes)}). Ratio to each pass's best "
              "heuristic per task: mean [bootstrap 95% interval over tasks] verdict, tasks worse beyond their own "
              "interval; the mean gap to the balance reference.", ""]
-    lines += settings_markdown(combined, lambda c: f"{cell(c['mean_ratio'], c['ratio_ci'])}, "
+    lines += settings_markdown(combined, lambda c: f"{ratio_cell(c['mean_ratio'], c['ratio_ci'])}, "
                                f"{c['worse_beyond_interval']}/{c['tasks']} worse"
                                + (f"; gap {c['mean_gap_pct']:+.1f}%" if c["mean_gap_pct"] is not None else ""),
                                [f"{LABELS.get(s, s)} ({s})" for s in combined])
@@ -345,8 +349,7 @@ def combine(args: argparse.Namespace) -> None:
               "| algorithm | ratio to the best heuristic | tasks |", "|---|---|---|"]
     for a in algos:
         r = [x for s in combined for _, x in per_task.get((s, a), [])]
-        lines.append(f"| {a} | {cell(float(np.mean(r)), paired_ratio_summary(r).to_dict() if len(r) > 1 else None)} "
-                     f"| {len(r)} |")
+        lines.append(f"| {a} | {ratios_cell(r)} | {len(r)} |")
     for a, b in pairs:
         q = []
         for s in combined:
@@ -357,8 +360,7 @@ def combine(args: argparse.Namespace) -> None:
             elif len(ra) == len(rb) and not (combined[s][a]["invalid"] or combined[s][b]["invalid"]):
                 q += [x / y for (_, x), (_, y) in zip(ra, rb)]  # unnamed: the same tasks in the same order
         if q:
-            lines += ["", f"{a} over {b}, per task: {cell(float(np.mean(q)), paired_ratio_summary(q).to_dict() if len(q) > 1 else None)}"
-                          f" over {len(q)} tasks"]
+            lines += ["", f"{a} over {b}, per task: {ratios_cell(q)} over {len(q)} tasks"]
     if unnamed:
         lines += ["", "Summaries without task names (written before they were recorded; their tasks cannot be checked "
                       "for overlap, and A over B pairs their ratios in order): " + ", ".join(map(str, unnamed))]
