@@ -59,6 +59,27 @@ def test_planning_view_fills_and_flags_missing_histograms():
     assert with_histogram(task.table("b"), 2048) == (task.table("b"), False)
 
 
+def test_many_tables_are_imputed_at_once_exactly_as_one_at_a_time():
+    """The batched imputation (one Poisson call for many tables, split in chunks) gives each
+    table, bit for bit, the row bins of the one-table expectation."""
+    from embshard.data import synthetic as syn
+
+    specs = [(rows, syn.expected_zipf(rows), syn.DEFAULT_Q, n) for rows, n in
+             [(7, 3.0), (300, 1e4), (20_000, 4.1e4), (2_000_000, 6.5e6), (59_999_257, 1.3e5)]]
+    one = [syn.expected_table_bins(r, s, q, n, ratio=1.15)[0] for r, s, q, n in specs]
+    for chunk in (1, 400, 1 << 17):  # a chunk per table, several tables per chunk, all in one
+        many = syn.expected_row_bins_many(specs, ratio=1.15, chunk=chunk)
+        assert len(many) == len(one) and all(np.array_equal(a, b) for a, b in zip(many, one))
+    # a task's view imputes its tables together: the same histograms as one at a time
+    task = make_task([Table(f"t{i}", r, 8, pf) for i, (r, pf) in enumerate([(5000, 3.0), (123_457, 0.5), (9, 2.0)])])
+    view, imputed = planning_view(task)
+    assert imputed == ["t0", "t1", "t2"]
+    for t, got in zip(task.tables, view.tables):
+        bins = syn.expected_table_bins(t.rows, syn.expected_zipf(t.rows), syn.DEFAULT_Q, t.pooling_factor * 4096, ratio=1.15)[0]
+        assert got.reuse_histogram == tuple(round(float(x) / float(bins.sum()), 6) for x in bins)
+    assert planning_view(task) == (view, imputed)  # asked again: the same view, a fresh list
+
+
 # ----------------------------------------------------------------------------- normalised plans
 def test_normalize_merges_a_tables_pieces_on_one_device_and_keeps_cover():
     task = make_task([Table("a", 1000, 32, 2.0), Table("b", 1000, 8, 1.0)], num_devices=3, slack=3.0)

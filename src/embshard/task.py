@@ -9,6 +9,7 @@ import glob
 import json
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,7 @@ class Task:
             raise InputError(f"{where}: has no tables")
         object.__setattr__(self, "tables", tuple(self.tables))
         names = [t.name for t in self.tables]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        dupes = sorted(n for n, c in Counter(names).items() if c > 1)
         if dupes:
             raise InputError(f"{where}: duplicate table name(s) {dupes}")
         if self.devices_per_host is None:

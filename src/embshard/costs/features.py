@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -69,22 +68,36 @@ OUTPUT_BYTES_PER_ELEMENT = 4
 
 
 # ----------------------------------------------------------------------------- histograms
-@lru_cache(maxsize=65536)
+_IMPUTED: dict[tuple[int, float, int], tuple[float, ...]] = {}
+_IMPUTED_MAX = 65536
+_FLAT = (1.0,) + (0.0,) * (NUM_REUSE_BINS - 1)
+
+
+def imputed_histograms(keys: Sequence[tuple[int, float, int]]) -> list[tuple[float, ...]]:
+    """`imputed_histogram(*key)` for every (rows, pooling_factor, batch_size) of `keys`, the
+    ones not yet known computed together (one Poisson call per many tables)."""
+    from embshard.data import synthetic as syn
+
+    keys = [(int(r), float(pf), int(b)) for r, pf, b in keys]
+    todo = sorted({k for k in keys if k not in _IMPUTED and k[1] * k[2] > 0})
+    if todo:
+        if len(_IMPUTED) + len(todo) > _IMPUTED_MAX:
+            _IMPUTED.clear()
+        bins = syn.expected_row_bins_many(
+            [(r, syn.expected_zipf(r), syn.DEFAULT_Q, pf * b) for r, pf, b in todo], ratio=1.15
+        )
+        for k, row_bins in zip(todo, bins):
+            total = float(row_bins.sum())
+            _IMPUTED[k] = _FLAT if total <= 0 else tuple(round(float(x) / total, 6) for x in row_bins)
+    return [_IMPUTED[k] if k[1] * k[2] > 0 else _FLAT for k in keys]
+
+
 def imputed_histogram(rows: int, pooling_factor: float, batch_size: int) -> tuple[float, ...]:
     """The reuse histogram (share of touched rows per reuse bin) the calibrated synthetic
     model expects for a table of `rows` rows and `pooling_factor` at `batch_size`: its Zipf
     exponent is the mixture's expected exponent for that many rows
     (`synthetic.expected_zipf`), the one the measured evaluator also draws with."""
-    from embshard.data import synthetic as syn
-
-    n = float(pooling_factor) * int(batch_size)
-    if n <= 0:
-        return (1.0,) + (0.0,) * (NUM_REUSE_BINS - 1)
-    row_bins, _ = syn.expected_table_bins(int(rows), syn.expected_zipf(int(rows)), syn.DEFAULT_Q, n, ratio=1.15)
-    total = float(row_bins.sum())
-    if total <= 0:
-        return (1.0,) + (0.0,) * (NUM_REUSE_BINS - 1)
-    return tuple(round(float(x) / total, 6) for x in row_bins)
+    return imputed_histograms([(rows, pooling_factor, batch_size)])[0]
 
 
 def with_histogram(table: Table, batch_size: int) -> tuple[Table, bool]:
@@ -95,20 +108,27 @@ def with_histogram(table: Table, batch_size: int) -> tuple[Table, bool]:
     return replace(table, reuse_histogram=hist), True
 
 
+_LAST_VIEW: list = [None, None]  # (task, its planning view): tasks are frozen, so identity is enough
+
+
 def planning_view(task):
     """(`task` with every table's reuse histogram present, names of the imputed tables).
 
     Only cost models see this view; plans, memory and the measured evaluator use the task
     as given (whose trace-less tables draw indices from the same distribution)."""
+    if _LAST_VIEW[0] is task:
+        return _LAST_VIEW[1][0], list(_LAST_VIEW[1][1])
+    missing = [t for t in task.tables if t.reuse_histogram is None or sum(t.reuse_histogram) <= 0]
+    imputed_histograms([(t.rows, t.pooling_factor, task.batch_size) for t in missing])
     tables, imputed = [], []
     for t in task.tables:
         nt, was = with_histogram(t, task.batch_size)
         tables.append(nt)
         if was:
             imputed.append(t.name)
-    if not imputed:
-        return task, []
-    return replace(task, tables=tuple(tables)), imputed
+    view = (task, []) if not imputed else (replace(task, tables=tuple(tables)), imputed)
+    _LAST_VIEW[:] = [task, view]
+    return view[0], list(view[1])
 
 
 def mean_reuse(hist: Sequence[float]) -> float:
