@@ -157,7 +157,7 @@ def summarize(args: argparse.Namespace) -> None:
         sys.exit(f"error: no <setting>/report.json under {runs}")
     pairs = parse_pairs(args.pairs)
     text = (markdown(summary) + "\n" + aims(summary) + "\n" + balance_line(reports)
-            + "\n" + pooled([Path(r) for r in args.runs], pairs))
+            + "\n" + agreement_line(reports, summary) + "\n" + pooled([Path(r) for r in args.runs], pairs))
     out = Path(args.out)
     write_json_atomic(out / "summary.json", summary)
     write_text_atomic(out / "summary.md", text)
@@ -241,6 +241,35 @@ def balance_line(reports: dict[str, dict]) -> str:
             "compute + the slowest device's comm) over the best heuristic's cost, mean [bootstrap 95% interval] "
             "over tasks; an aim below it needs a plan better balanced than every plan measured (a reference, "
             "not a bound):\n\n- " + "; ".join(cells) + "\n")
+
+
+#: a task's final measurement disagrees with its guard's first round above this spread (the sd of
+#: the log ratio over the plans both measured; 0.02-0.07 on the quiet tasks of the passes so far)
+DISAGREE_SD = 0.1
+
+
+def agreement_line(reports: dict[str, dict], summary: dict) -> str:
+    """Per setting, the tasks whose final measurement disagrees with the guard's first round of the
+    same plans (`embshard.report.guard_agreement` above DISAGREE_SD), and whether the portfolio was
+    worse than the best heuristic beyond its interval on one of them."""
+    from embshard.report import guard_agreement
+
+    cells, checked = [], 0
+    for setting, report in reports.items():
+        sds = guard_agreement(report)
+        checked += len(sds)
+        bad = sorted(t for t, (sd, _) in sds.items() if sd > DISAGREE_SD)
+        if not bad:
+            continue
+        worse = set(((summary.get(setting) or {}).get("portfolio") or {}).get("worse_tasks") or [])
+        cells.append(f"{setting}: " + ", ".join(f"{t} ({sds[t][0]:.3f}{'; portfolio worse beyond interval' if t in worse else ''})"
+                                                for t in bad))
+    if not checked:
+        return ""
+    head = (f"Measurement agreement ({checked} tasks with a guard): the final measurement against the guard's first "
+            f"round of the same plans, minutes apart, sd of log(final / guard) over the plans; above {DISAGREE_SD:g}, "
+            "the machine's state changed between them and plans slowed unevenly")
+    return head + (":\n\n- " + "\n- ".join(cells) + "\n" if cells else ": every task agrees.\n")
 
 
 #: paired comparisons summarize prints by default: the portfolio over guarded NeuroShard decides

@@ -271,3 +271,41 @@ def test_portfolio_eval_combine_joins_passes_per_task_and_refuses_a_task_twice(t
     bad = subprocess.run([*script, "combine", str(tmp_path / "s_b1" / "summary.json"), str(copy), "--out", str(out)],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "task t1 (20-30x4, size_greedy) is in an earlier summary too" in bad.stderr
+
+
+def test_guard_agreement_flags_a_final_measurement_in_which_plans_slowed_unevenly(tmp_path):
+    """The final measurement against the guard's first round of the same plans: a task whose
+    plans all slowed alike agrees (sd 0); one whose plans slowed by 1.0-1.5x is flagged, and the
+    portfolio's worse-beyond-interval verdict there is named beside it."""
+    import math
+
+    from embshard.report import guard_agreement
+
+    def task(name, guard_ms, final_ms, worse=False):
+        rows = [_result(name, "neuroshard_pick" if a == "neuroshard" else a, c, 0.0) for a, c in final_ms.items()]
+        guard = {"candidates": [{"label": a, "measured_ms": c} for a, c in guard_ms.items()]}
+        rows.append(dict(_result(name, "portfolio", final_ms["neuroshard"] * 1.0, 0.0), guard=guard,
+                         vs_best_heuristic={"interval": {"verdict": "worse" if worse else "not resolved"}}))
+        return rows
+
+    guard = {"neuroshard": 10.0, "size_greedy": 12.0, "lookup_greedy": 11.0, "dim_greedy": 14.0}
+    calm = task("calm", guard, {a: 1.2 * c for a, c in guard.items()})  # 20% slower, every plan alike
+    slows = {"neuroshard": 1.5, "size_greedy": 1.0, "lookup_greedy": 1.25, "dim_greedy": 1.0}
+    stormy = task("stormy", guard, {a: slows[a] * c for a, c in guard.items()}, worse=True)
+    unguarded = [_result("plain", a, c, 0.0) for a, c in guard.items()]
+    report = {"results": calm + stormy + unguarded}
+    got = guard_agreement(report)
+    assert set(got) == {"calm", "stormy"}  # no guard: left out
+    assert got["calm"][0] == pytest.approx(0.0, abs=1e-12) and got["calm"][1] == 4
+    logs = [math.log(x) for x in slows.values()]
+    mean = sum(logs) / 4
+    assert got["stormy"] == (pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in logs) / 4)), 4)
+
+    (tmp_path / "runs" / "20-30x4").mkdir(parents=True)
+    (tmp_path / "runs" / "20-30x4" / "report.json").write_text(json.dumps(report))
+    text = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "summarize",
+                           str(tmp_path / "runs"), "--out", str(tmp_path / "s")],
+                          capture_output=True, text=True, check=True).stdout
+    assert "Measurement agreement (2 tasks with a guard)" in text
+    assert f"- 20-30x4: stormy ({got['stormy'][0]:.3f}; portfolio worse beyond interval)" in text
+    assert "calm (" not in text

@@ -40,7 +40,7 @@ def summarize_results(report: dict[str, Any], heuristics: Sequence[str] = HEURIS
     algorithms = list(dict.fromkeys(r["algorithm"] for r in report["results"]))
     out = {}
     for a in algorithms:
-        costs, ratios, names, seconds, gaps, wins, invalid, worse = [], [], [], [], [], 0, 0, 0
+        costs, ratios, names, seconds, gaps, wins, invalid, worse = [], [], [], [], [], 0, 0, []
         for task, rows in by_task.items():
             best = _best_heuristic_cost(rows, heuristics)
             r = rows.get(a)
@@ -56,7 +56,8 @@ def summarize_results(report: dict[str, Any], heuristics: Sequence[str] = HEURIS
             if gap is not None:
                 gaps.append(gap)
             iv = (r.get("vs_best_heuristic") or {}).get("interval") or {}
-            worse += iv.get("verdict") == "worse"
+            if iv.get("verdict") == "worse":
+                worse.append(task)
         if not costs:
             out[a] = {"tasks": 0, "invalid": invalid}
             continue
@@ -72,7 +73,8 @@ def summarize_results(report: dict[str, Any], heuristics: Sequence[str] = HEURIS
             # the mean ratio's bootstrap 95% interval over tasks and its verdict (one task: none)
             "ratio_ci": paired_ratio_summary(ratios).to_dict() if len(ratios) > 1 else None,
             # tasks whose own paired interval (repetitions) lies above 1
-            "worse_beyond_interval": int(worse),
+            "worse_beyond_interval": len(worse),
+            "worse_tasks": worse,
             "mean_gap_pct": float(np.mean(gaps)) if gaps else None,
             "beats_best_heuristic": int(wins),
             "mean_search_seconds": float(np.mean(seconds)),
@@ -110,6 +112,37 @@ def room_left(report: dict[str, Any], heuristics: Sequence[str] = HEURISTICS) ->
         if best is not None and refs:
             ratios.append(min(refs) / best)
     return ratios
+
+
+#: guarded algorithms whose guard's first round `guard_agreement` reads, in order of preference
+GUARDED = ("portfolio", "neuroshard")
+
+
+def guard_agreement(report: dict[str, Any], guarded: Sequence[str] = GUARDED) -> dict[str, tuple[float, int]]:
+    """Per task of a measured report.json: how far its final measurement of the plans agrees
+    with the guard's first round, which measured the same plans on the same machine minutes
+    before (the first guarded algorithm of `guarded` with a guard). The standard deviation, over
+    the plans both measured, of log(final cost / guard's cost), and the number of plans. A
+    change of speed that hits every plan alike leaves it near 0; a disturbed measurement, in
+    which some plans slow more than others, raises it (and the ratios between plans it reports
+    are then not those of the quiet machine). A guard candidate is matched to the result of the
+    same name, NeuroShard's search pick to `neuroshard_pick`. Tasks without a guard, or with
+    fewer than 3 plans in common, are left out."""
+    out: dict[str, tuple[float, int]] = {}
+    for task, rows in _rows_by_task(report).items():
+        guard = next((rows[a]["guard"] for a in guarded if a in rows and (rows[a].get("guard") or {}).get("candidates")),
+                     None)
+        if guard is None:
+            continue
+        logs = []
+        for c in guard["candidates"]:
+            name = "neuroshard_pick" if c["label"] == "neuroshard" else c["label"]
+            r = rows.get(name)
+            if r and r["valid"] and r.get("measured_cost_ms") and c.get("measured_ms"):
+                logs.append(math.log(r["measured_cost_ms"] / c["measured_ms"]))
+        if len(logs) >= 3:
+            out[task] = (float(np.std(logs)), len(logs))
+    return out
 
 
 def setting_reports(runs: str | os.PathLike, settings: Sequence[str],
