@@ -284,7 +284,7 @@ def test_guard_agreement_flags_a_final_measurement_in_which_plans_slowed_unevenl
     def task(name, guard_ms, final_ms, worse=False):
         rows = [_result(name, "neuroshard_pick" if a == "neuroshard" else a, c, 0.0) for a, c in final_ms.items()]
         guard = {"candidates": [{"label": a, "measured_ms": c} for a, c in guard_ms.items()]}
-        rows.append(dict(_result(name, "portfolio", final_ms["neuroshard"] * 1.0, 0.0), guard=guard,
+        rows.append(dict(_result(name, "portfolio", final_ms["neuroshard"], 0.0), guard=guard,
                          vs_best_heuristic={"interval": {"verdict": "worse" if worse else "not resolved"}}))
         return rows
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from embshard.compare import Result
+from embshard.compare import PICK_SUFFIX, Result
 from embshard.errors import InputError
 from embshard.io import save_png
 from embshard.stats import RatioSummary, paired_ratio_summary
@@ -126,7 +126,7 @@ def guard_agreement(report: dict[str, Any], guarded: Sequence[str] = GUARDED) ->
     change of speed that hits every plan alike leaves it near 0; a disturbed measurement, in
     which some plans slow more than others, raises it (and the ratios between plans it reports
     are then not those of the quiet machine). A guard candidate is matched to the result of the
-    same name, NeuroShard's search pick to `neuroshard_pick`. Tasks without a guard, or with
+    same name, NeuroShard's search pick to its `neuroshard_pick` result. Tasks without a guard, or with
     fewer than 3 plans in common, are left out."""
     out: dict[str, tuple[float, int]] = {}
     for task, rows in _rows_by_task(report).items():
@@ -136,7 +136,7 @@ def guard_agreement(report: dict[str, Any], guarded: Sequence[str] = GUARDED) ->
             continue
         logs = []
         for c in guard["candidates"]:
-            name = "neuroshard_pick" if c["label"] == "neuroshard" else c["label"]
+            name = c["label"] + PICK_SUFFIX if c["label"] == "neuroshard" else c["label"]
             r = rows.get(name)
             if r and r["valid"] and r.get("measured_cost_ms") and c.get("measured_ms"):
                 logs.append(math.log(r["measured_cost_ms"] / c["measured_ms"]))

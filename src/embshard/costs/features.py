@@ -100,9 +100,13 @@ def imputed_histogram(rows: int, pooling_factor: float, batch_size: int) -> tupl
     return imputed_histograms([(rows, pooling_factor, batch_size)])[0]
 
 
+def _has_histogram(table: Table) -> bool:
+    return table.reuse_histogram is not None and sum(table.reuse_histogram) > 0
+
+
 def with_histogram(table: Table, batch_size: int) -> tuple[Table, bool]:
     """(`table` with a reuse histogram, whether it was imputed)."""
-    if table.reuse_histogram is not None and sum(table.reuse_histogram) > 0:
+    if _has_histogram(table):
         return table, False
     hist = imputed_histogram(table.rows, table.pooling_factor, int(batch_size))
     return replace(table, reuse_histogram=hist), True
@@ -118,14 +122,12 @@ def planning_view(task):
     as given (whose trace-less tables draw indices from the same distribution)."""
     if _LAST_VIEW[0] is task:
         return _LAST_VIEW[1][0], list(_LAST_VIEW[1][1])
-    missing = [t for t in task.tables if t.reuse_histogram is None or sum(t.reuse_histogram) <= 0]
-    imputed_histograms([(t.rows, t.pooling_factor, task.batch_size) for t in missing])
-    tables, imputed = [], []
-    for t in task.tables:
-        nt, was = with_histogram(t, task.batch_size)
-        tables.append(nt)
-        if was:
-            imputed.append(t.name)
+    missing = [i for i, t in enumerate(task.tables) if not _has_histogram(t)]
+    tables = list(task.tables)
+    hists = imputed_histograms([(tables[i].rows, tables[i].pooling_factor, task.batch_size) for i in missing])
+    for i, hist in zip(missing, hists):
+        tables[i] = replace(tables[i], reuse_histogram=hist)
+    imputed = [tables[i].name for i in missing]
     view = (task, []) if not imputed else (replace(task, tables=tuple(tables)), imputed)
     _LAST_VIEW[:] = [task, view]
     return view[0], list(view[1])
