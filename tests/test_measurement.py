@@ -20,7 +20,7 @@ from embshard.hardware.protocol import (MeasurementProtocol, Stopwatch, Timing, 
                                         set_worker_process)
 from embshard.plan import Plan, Shard
 from embshard.search.neuroshard import NeuroShardSharder
-from embshard.stats import bootstrap_mean_ci, paired_ratio_summary
+from embshard.stats import bootstrap_mean_ci, paired_ratio_summary, student_t_quantile, t_mean_ci
 from embshard.tables import Table
 from embshard.task import Task
 
@@ -209,6 +209,33 @@ def test_bootstrap_interval_of_a_known_case():
         paired_ratio_summary([1.0, -1.0])
 
 
+def test_student_t_quantiles_against_tables():
+    for p, df, want in [(0.975, 1, 12.7062), (0.975, 2, 4.3027), (0.975, 10, 2.2281), (0.995, 5, 4.0321),
+                        (0.95, 30, 1.6973), (0.975, 200, 1.9719)]:
+        assert student_t_quantile(p, df) == pytest.approx(want, abs=2e-4)
+    assert student_t_quantile(0.025, 2) == pytest.approx(-4.3027, abs=2e-4)
+    mean, lo, hi = t_mean_ci([0.9, 0.99, 0.82])
+    sd = np.std([0.9, 0.99, 0.82], ddof=1)
+    assert (lo, hi) == pytest.approx((mean - 4.3027 * sd / np.sqrt(3), mean + 4.3027 * sd / np.sqrt(3)), abs=1e-3)
+    for bad in [(1.0, 3), (0.9, 0), (0.9, 1.5)]:
+        with pytest.raises(InputError):
+            student_t_quantile(*bad)
+    with pytest.raises(InputError, match="interval method"):
+        paired_ratio_summary([0.9, 0.8], method="normal")
+
+
+def test_on_three_rounds_of_equal_plans_the_t_interval_holds_its_confidence_and_the_bootstrap_does_not():
+    """Two plans of the same cost, 3 noisy paired rounds: a 95% rule should call one "better"
+    about 2.5% of the time. The percentile bootstrap over 3 values (the guard's rule before) does
+    whenever all 3 ratios fall below 1, about 1 time in 8; the t interval keeps to its level."""
+    rng = np.random.default_rng(7)
+    trials = rng.normal(1.0, 0.05, size=(2000, 3))
+    t_better = np.mean([paired_ratio_summary(r, method="t").verdict == "better" for r in trials])
+    boot_better = np.mean([paired_ratio_summary(r, draws=500).verdict == "better" for r in trials])
+    assert t_better < 0.04
+    assert boot_better > 0.09
+
+
 # ----------------------------------------------------------------------------- the guard's rule
 class ScriptedEvaluator:
     """Costs by plan algorithm from a script (the guard's decision logic, not the hardware)."""
@@ -257,9 +284,54 @@ def test_guard_returns_the_heuristic_when_not_resolved_or_worse():
     assert g.decision["verdict"] == "worse" and g.chosen == "size_greedy"
 
 
+def test_t_interval_guard_does_not_switch_on_noisy_rounds_that_merely_all_favour_the_search():
+    # S / H per round: 0.90, 0.99, 0.82, 0.995, 0.83, 0.99: every round below 1, but too noisy
+    # for a 95% t interval, so the t guard measures to its round limit and keeps the heuristic.
+    # The default bootstrap switches after 3 rounds (its interval of 3 values is about their range).
+    search = [9.0, 9.9, 8.2, 9.95, 8.3, 9.9]
+    g, plan, ev, sp = _run_guard(search, [10.0] * 6, verify_interval="t")
+    assert g.decision["interval"] == "t" and g.decision["rounds"] == 6
+    assert g.decision["verdict"] == "not resolved" and g.chosen == "size_greedy" and plan.shards != sp.shards
+    assert g.decision["ratio"]["high"] > 1.0 > g.decision["ratio"]["mean"]
+    g, plan, _, _ = _run_guard(search, [10.0] * 6)
+    assert g.decision["interval"] == "bootstrap" and g.decision["rounds"] == 3
+    assert g.decision["verdict"] == "better" and plan.shards == sp.shards
+    with pytest.raises(InputError, match="verify_interval must be one of"):
+        NeuroShardSharder(checkpoint=None, verify_interval="normal")
+
+
 def test_guard_budget_stops_measuring_and_keeps_the_heuristic():
     g, _, ev, _ = _run_guard([9.0] * 6, [10.0] * 6, verify_budget_s=0.0)
     assert len(ev.calls) == 1 and g.decision["verdict"] == "not resolved" and g.chosen == "size_greedy"
+
+
+def test_guard_replay_keeps_what_every_recorded_guard_kept_under_its_own_interval():
+    """scripts/guard_replay.py decides the evaluation's guards again from their recorded rounds
+    (docs/portfolio/eval/guard_records.json): with the bootstrap they ran with, every decision
+    keeps the plan the guard kept; the t interval only ever withdraws a "better"."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("guard_replay", root / "scripts" / "guard_replay.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    records = json.loads((root / "docs" / "portfolio" / "eval" / "guard_records.json").read_text())["records"]
+    guards = [g for r in records for g in r["guards"].values()]
+    assert len(records) == 114 and len(guards) == 228
+    verdicts = {"better": 0, "worse": 0, "not resolved": 0, "same plan": 0}
+    withdrawn = 0
+    for g in guards:
+        recorded = g["decision"]
+        verdict, kept = replay.replay_decision(g, "bootstrap")
+        assert (verdict, kept) == (recorded["verdict"], recorded["kept"])
+        verdicts[verdict] = verdicts.get(verdict, 0) + 1
+        t_verdict, t_kept = replay.replay_decision(g, "t")
+        if t_kept != kept:
+            assert recorded["verdict"] == "better" and t_verdict != "better" and t_kept == recorded["heuristic"]
+            withdrawn += 1
+    assert verdicts["better"] > withdrawn > 0 and verdicts["worse"] > 0 and verdicts["not resolved"] > 0
 
 
 # ----------------------------------------------------------------------------- the DMP embedding step

@@ -6,11 +6,17 @@ portfolio's best-ranked members). Round 1 measures every distinct candidate and 
 heuristic's plan, interleaved, and names the candidates' measured best (S) and the best
 heuristic (H). Later rounds measure S and the heuristics within `margin` of H (`contenders`
 in all), paired and interleaved; H is then the contender with the lowest mean over the rounds
-(one round cannot tell heuristics a few percent apart). They go on until the bootstrap 95%
-interval of the mean per-round ratio S/H excludes 1 (at least `min_rounds` rounds), the rounds
+(one round cannot tell heuristics a few percent apart). They go on until the 95% interval
+of the mean per-round ratio S/H excludes 1 (at least `min_rounds` rounds), the rounds
 reach `max_rounds`, or the paired rounds pass `budget_s`. S is returned when the
 interval lies below 1; otherwise (worse, or not resolved) H's plan is: the guard never trades
 a known plan for a coin toss. `GuardResult` is what report.json's `guard` holds.
+
+The interval (`interval`): "bootstrap" (the default, the one every measured evaluation so far
+ran with) or "t" (Student's t). Over 3 rounds a percentile bootstrap is about the rounds'
+range: two plans of equal cost pass for "better" whenever all 3 ratios fall below 1, 1 time
+in 8 rather than 1 in 40; the t interval keeps its level, and needs more rounds to switch
+(`embshard.stats`; `scripts/guard_replay.py` replays recorded guards under either).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import numpy as np
 from embshard.costs.base import DeviceCosts
 from embshard.errors import EmbshardError, InputError
 from embshard.plan import Plan, validate
+from embshard.stats import INTERVAL_METHODS
 from embshard.search.base import Sharder
 from embshard.task import Task
 
@@ -81,7 +88,7 @@ class GuardResult:
     search_pick: str
     measure_seconds: float
     #: the rule's outcome: verdict ("better" | "worse" | "not resolved" | "same plan" | "no
-    #: heuristic plan"), the plan kept, and the ratio's bootstrap interval over rounds
+    #: heuristic plan"), the plan kept, and the ratio's interval over rounds (`interval` names it)
     decision: dict[str, Any] = field(default_factory=dict)
     #: measured plan cost (ms) per round, by label
     rounds: list[dict[str, float]] = field(default_factory=list)
@@ -111,6 +118,7 @@ class MeasuredGuard:
             best and the next ones within `margin` (relative) of it, `contenders` in all. One
             round cannot tell heuristics a few percent apart; the best heuristic is the one
             with the lowest mean over the rounds.
+        interval: the interval of the verdict: "bootstrap" (percentile) or "t" (Student t).
         owner: the planner's name, for error messages.
     """
 
@@ -122,6 +130,7 @@ class MeasuredGuard:
     contenders: int = 2
     margin: float = 0.1
     owner: str = "guard"
+    interval: str = "bootstrap"
 
     def __post_init__(self) -> None:
         self.heuristics = tuple(self.heuristics)
@@ -139,6 +148,9 @@ class MeasuredGuard:
         if int(self.contenders) < 1 or not float(self.margin) >= 0:
             raise InputError(f"{self.owner}: need verify_contenders >= 1 and verify_margin >= 0, got "
                              f"{self.contenders!r}, {self.margin!r}")
+        if self.interval not in INTERVAL_METHODS:
+            raise InputError(f"{self.owner}: verify_interval must be one of {list(INTERVAL_METHODS)}, got "
+                             f"{self.interval!r}")
         self.contenders = int(self.contenders)
         self.margin = float(self.margin)
         self.visits = None if self.visits is None else int(self.visits)
@@ -211,12 +223,12 @@ class MeasuredGuard:
                     costs = evaluator.measure_many(task, [labelled[i][2] for i in (s, *stay)], visits=self.visits)
                     rounds.append({labelled[i][0]: c.plan_cost_ms for i, c in zip((s, *stay), costs)})
                     h = min(stay, key=lambda i: (mean_ms(i), i))
-                    summary = paired_ratio_summary(paired(h))
+                    summary = paired_ratio_summary(paired(h), method=self.interval)
                     if len(rounds) >= self.min_rounds and summary.resolved:
                         break
                 h = min(stay, key=lambda i: (mean_ms(i), i))
                 ratios = paired(h)
-                summary = paired_ratio_summary(ratios)
+                summary = paired_ratio_summary(ratios, method=self.interval)
                 if len(ratios) < self.min_rounds:  # out of time before a decision could be made
                     verdict = "not resolved"
                 else:
@@ -224,7 +236,8 @@ class MeasuredGuard:
                 best = s if verdict == "better" else h
                 decision = {"verdict": verdict, "kept": labelled[best][0], "search": labelled[s][0],
                             "heuristic": labelled[h][0], "contenders": [labelled[i][0] for i in stay],
-                            "ratio": summary.to_dict(), "rounds": len(ratios), "budget_s": self.budget_s}
+                            "ratio": summary.to_dict(), "interval": self.interval, "rounds": len(ratios),
+                            "budget_s": self.budget_s}
         seconds = time.perf_counter() - t0
         result = GuardResult(rows, labelled[best][0], labelled[0][0], round(seconds, 3), decision, rounds, skipped)
         return Plan(task.name, name, list(labelled[best][2].shards)), result

@@ -290,11 +290,13 @@ class NeuroShardSharder(GuardSlot):
             evaluator's protocol's).
         verify_budget_s: after round 1 (every candidate once), the guard keeps measuring (rounds
             of the search's best and the best heuristic, paired and interleaved) until the
-            bootstrap 95% interval of their mean cost ratio excludes 1, or this many seconds
+            95% interval of their mean cost ratio excludes 1, or this many seconds
             have passed.
         verify_min_rounds, verify_max_rounds: rounds before a decision / at most.
         verify_contenders, verify_margin: heuristics kept in the paired rounds: the round-1 best
             and the next within the margin of it, `verify_contenders` in all (`MeasuredGuard`).
+        verify_interval: the interval of the guard's verdict: "bootstrap" (percentile; every
+            measured evaluation so far) or "t" (Student t: holds its 95% over a few rounds).
         max_candidates: per placement, re-predict at most this many allowed devices (those
             whose shard is predicted cheapest now); None: all (`GreedyPartitioner`).
         grid_max_work: thin the caps on tasks over this many pieces × devices × caps (None: never).
@@ -325,6 +327,7 @@ class NeuroShardSharder(GuardSlot):
         verify_max_rounds: int = 10,
         verify_contenders: int = 2,
         verify_margin: float = 0.1,
+        verify_interval: str = "bootstrap",
         max_candidates: int | None = MAX_CANDIDATE_DEVICES,
         grid_max_work: int | None = GRID_MAX_WORK,
     ):
@@ -341,7 +344,7 @@ class NeuroShardSharder(GuardSlot):
         #: the measured guard (its settings are checked here, before any search)
         self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
                                    verify_max_rounds, verify_contenders, verify_margin,
-                                   owner="neuroshard")
+                                   owner="neuroshard", interval=verify_interval)
         self.checkpoint = None if checkpoint in (None, "") else str(checkpoint)
         self.beam_width = int(beam_width)
         self.beam_steps = int(beam_steps)

@@ -70,7 +70,8 @@ class PortfolioSharder(GuardSlot):
             members that are not the guard's heuristics with the guard (which measures the
             heuristics' plans anyway); "auto": 3 when an evaluator is attached, else 0.
         verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
-            verify_max_rounds: the guard's settings (`MeasuredGuard`).
+            verify_max_rounds, verify_contenders, verify_margin, verify_interval: the guard's
+            settings (`MeasuredGuard`).
         name: the algorithm name of the plans.
     """
 
@@ -89,6 +90,7 @@ class PortfolioSharder(GuardSlot):
         verify_max_rounds: int = 10,
         verify_contenders: int = 2,
         verify_margin: float = 0.1,
+        verify_interval: str = "bootstrap",
         name: str = "portfolio",
     ):
         if verify != "auto" and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
@@ -103,7 +105,7 @@ class PortfolioSharder(GuardSlot):
         self.verify = verify
         self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
                                    verify_max_rounds, verify_contenders, verify_margin,
-                                   owner=name)
+                                   owner=name, interval=verify_interval)
         self.name = name
         self.evaluator: Any = None
         self._ranker: tuple[CostModel, dict[str, Any]] | None = None
