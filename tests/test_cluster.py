@@ -213,11 +213,14 @@ def test_launch_on_loopback_runs_one_torchrun_per_host(tmp_path):
 
 @pytest.mark.slow
 @needs_netns
-def test_sequence_throughput_runs_on_the_emulated_cluster(tmp_path):
-    """The tiny sequence DLRM on 2 emulated hosts x 2 processes: runs, records the network,
-    bytes sent equal the model's, and leaves no namespace behind."""
+@pytest.mark.parametrize("per_host", [1, pytest.param(2, marks=pytest.mark.e2e)])
+def test_sequence_throughput_runs_on_the_emulated_cluster(tmp_path, per_host):
+    """The tiny sequence DLRM on 2 emulated hosts x `per_host` processes: runs, records the
+    network, bytes sent equal the model's, and leaves no namespace behind. (2 x 2, the
+    experiment's own layout, is in `make test-e2e`: 4 processes importing TorchRec on 2 cores.)"""
     before = _listed()
     done = _train(tmp_path, "stage=sequence_throughput", "experiment=flexshard_tiny", "cluster=emulated",
+                  f"sequence.task.devices_per_host={per_host}",
                   "cluster.rate_mbit=400", "cluster.probe_megabytes=10", "sequence.replay_repetitions=1",
                   f"sequence.trace.path={tmp_path / 'trace.pt'}", f"out_dir={tmp_path / 'out'}", "progress=false")
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

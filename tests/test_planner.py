@@ -283,6 +283,7 @@ def test_dmp_runs_embshard_plans_like_torchrecs_own(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # `make test-e2e`: test_dmp_runs_embshard_plans_like_torchrecs_own covers the planner under DMP
 def test_example_trains_torchrecs_dlrm_on_two_processes(tmp_path):
     out = tmp_path / "plan"
     logs = _spawn(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
