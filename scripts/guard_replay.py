@@ -3,13 +3,14 @@ recorded in report.json, with the evaluation's own measurements of every plan it
 
     python scripts/guard_replay.py extract experiments/pe_b3/runs experiments/pe_b4/runs ... \\
         --out docs/portfolio/eval/guard_records.json
-    python scripts/guard_replay.py replay docs/portfolio/eval/guard_records.json --out docs/portfolio/eval/guard_replay
+    python scripts/guard_replay.py replay docs/portfolio/eval/guard_records.json --out docs/portfolio/eval/guard_replay_t
 
 `extract` keeps, per task of each `<runs>/<setting>/report.json`, what the replay needs: each
 guarded algorithm's decision and measuring rounds, and every algorithm's ratio to the best
 heuristic with its per-task verdict (the evaluation's interleaved measurement). `replay`
-decides each guard again from the same rounds with the given interval (`--method`, default the
-guard's current Student t; `bootstrap` reproduces the recorded verdicts, a self-check) and
+decides each guard again from the same rounds by the guard's rule with the given interval
+(`--method`: by default Student t, the guard's alternative; `bootstrap`, the guard's default and
+what the recorded guards ran, reproduces their verdicts, a self-check) and
 looks the kept plan up among the evaluated ones: a heuristic under its own name; a portfolio
 member under its unguarded name (`neuroshard` -> `neuroshard_pick`); NeuroShard's search pick
 (`neuroshard#1`) as `neuroshard_pick`.
@@ -25,8 +26,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -74,18 +73,15 @@ def extract(args: argparse.Namespace) -> None:
 
 
 def replay_decision(g: dict, method: str, min_rounds: int = 3) -> tuple[str, str]:
-    """(verdict, kept label) of one recorded guard decision under `method`, on its rounds."""
-    from embshard.stats import paired_ratio_summary
+    """(verdict, kept label) of one recorded guard decision under `method`, on its rounds, by the
+    guard's own rule (`embshard.search.guard.decide`)."""
+    from embshard.search.guard import decide
 
     d = g["decision"]
     if d["verdict"] not in ("better", "worse", "not resolved"):
         return d["verdict"], d["kept"]
-    rounds, s, stay = g["rounds"], d["search"], d["contenders"]
-    means = {h: float(np.mean([r[h] for r in rounds if h in r])) for h in stay}
-    h = min(stay, key=lambda x: (means[x], stay.index(x)))
-    ratios = [r[s] / r[h] for r in rounds if s in r and h in r]
-    verdict = paired_ratio_summary(ratios, method=method).verdict if len(ratios) >= min_rounds else "not resolved"
-    return verdict, (s if verdict == "better" else h)
+    verdict, h, _ = decide(g["rounds"], d["search"], d["contenders"], min_rounds, method)
+    return verdict, (d["search"] if verdict == "better" else h)
 
 
 def replay(args: argparse.Namespace) -> None:

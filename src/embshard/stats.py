@@ -53,18 +53,25 @@ def kendall_tau_b(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarr
     return float(s / 2 / denom) if denom > 0 else float("nan")
 
 
+def _interval_values(values: Sequence[float], confidence: float, what: str) -> np.ndarray:
+    """`values` as a flat float array, checked for an interval at `confidence` (`what` names the
+    interval in the errors)."""
+    v = np.asarray(values, np.float64).ravel()
+    if v.size == 0:
+        raise InputError(f"{what} of no values")
+    if not np.all(np.isfinite(v)):
+        raise InputError(f"{what} values must be finite")
+    if not 0 < confidence < 1:
+        raise InputError(f"confidence must be in (0, 1), got {confidence!r}")
+    return v
+
+
 def bootstrap_mean_ci(values: Sequence[float], confidence: float = 0.95, draws: int = BOOTSTRAP_DRAWS,
                       seed: int = 0) -> tuple[float, float, float]:
     """(mean, low, high): the mean of `values` and its percentile bootstrap interval.
 
     One value gives a zero-width interval at the value (nothing to resample)."""
-    v = np.asarray(values, np.float64).ravel()
-    if v.size == 0:
-        raise InputError("bootstrap of no values")
-    if not np.all(np.isfinite(v)):
-        raise InputError("bootstrap values must be finite")
-    if not 0 < confidence < 1:
-        raise InputError(f"confidence must be in (0, 1), got {confidence!r}")
+    v = _interval_values(values, confidence, "bootstrap")
     mean = float(v.mean())
     if v.size == 1:
         return mean, mean, mean
@@ -107,13 +114,7 @@ def t_mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float,
     """(mean, low, high): the mean of `values` and its Student t interval (mean ± t · s / √n).
 
     One value gives a zero-width interval at the value (no spread to estimate)."""
-    v = np.asarray(values, np.float64).ravel()
-    if v.size == 0:
-        raise InputError("interval of no values")
-    if not np.all(np.isfinite(v)):
-        raise InputError("interval values must be finite")
-    if not 0 < confidence < 1:
-        raise InputError(f"confidence must be in (0, 1), got {confidence!r}")
+    v = _interval_values(values, confidence, "interval")
     mean = float(v.mean())
     if v.size == 1:
         return mean, mean, mean

@@ -24,14 +24,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from embshard.costs.base import DeviceCosts
 from embshard.errors import EmbshardError, InputError
 from embshard.plan import Plan, validate
-from embshard.stats import INTERVAL_METHODS
+from embshard.stats import INTERVAL_METHODS, RatioSummary, paired_ratio_summary
 from embshard.search.base import Sharder
 from embshard.task import Task
 
@@ -57,6 +57,18 @@ def heuristic_sharders() -> dict[str, Callable[[], Sharder]]:
     out["round_robin"] = RoundRobinSharder
     out["random"] = lambda: RandomSharder(seed=0)
     return out
+
+
+def decide(rounds: Sequence[Mapping[str, float]], search: str, contenders: Sequence[str], min_rounds: int,
+           interval: str = "bootstrap") -> tuple[str, str, RatioSummary]:
+    """The guard's rule on its measured rounds (cost in ms by label, each round holding `search`
+    and every contender): H is the contender with the lowest mean over the rounds (the first
+    listed on ties); the verdict is that of the paired S/H ratios' `interval`, "not resolved"
+    before `min_rounds` rounds. Returns (verdict, H, the ratios' summary)."""
+    means = [float(np.mean([r[h] for r in rounds])) for h in contenders]
+    h = contenders[int(np.argmin(means))]
+    summary = paired_ratio_summary([r[search] / r[h] for r in rounds], method=interval)
+    return (summary.verdict if len(rounds) >= min_rounds else "not resolved"), h, summary
 
 
 class GuardSlot:
@@ -162,8 +174,6 @@ class MeasuredGuard:
             predicted_ms: Callable[[Plan], float | None], name: str) -> tuple[Plan, GuardResult]:
         """Measure `candidates` (label, plan; the planner's own order, its pick first) and the
         heuristics' plans; returns the plan kept (named `name`) and what was done."""
-        from embshard.stats import paired_ratio_summary
-
         labelled: list[tuple[str, str, Plan]] = [(label, "search", p) for label, p in candidates]
         skipped: dict[str, str] = {}
         for h in self.heuristics:
@@ -212,31 +222,22 @@ class MeasuredGuard:
                         stay.append(i)
                 stay = stay or [h]
 
-                def paired(h_id: int) -> list[float]:  # S / H per round
-                    return [r[labelled[s][0]] / r[labelled[h_id][0]] for r in rounds]
+                label = {i: labelled[i][0] for i in stay}
+                by_index = [label[i] for i in sorted(stay)]  # ties between contenders: the first listed
 
-                def mean_ms(i: int) -> float:
-                    return float(np.mean([r[labelled[i][0]] for r in rounds]))
-
-                summary = None
+                outcome = decide(rounds, labelled[s][0], by_index, self.min_rounds, self.interval)  # round 1 alone
                 while len(rounds) < self.max_rounds and time.perf_counter() < deadline:
                     costs = evaluator.measure_many(task, [labelled[i][2] for i in (s, *stay)], visits=self.visits)
                     rounds.append({labelled[i][0]: c.plan_cost_ms for i, c in zip((s, *stay), costs)})
-                    h = min(stay, key=lambda i: (mean_ms(i), i))
-                    summary = paired_ratio_summary(paired(h), method=self.interval)
-                    if len(rounds) >= self.min_rounds and summary.resolved:
+                    outcome = decide(rounds, labelled[s][0], by_index, self.min_rounds, self.interval)
+                    if outcome[0] != "not resolved":
                         break
-                h = min(stay, key=lambda i: (mean_ms(i), i))
-                ratios = paired(h)
-                summary = paired_ratio_summary(ratios, method=self.interval)
-                if len(ratios) < self.min_rounds:  # out of time before a decision could be made
-                    verdict = "not resolved"
-                else:
-                    verdict = summary.verdict
+                verdict, h_label, summary = outcome
+                h = next(i for i in stay if label[i] == h_label)
                 best = s if verdict == "better" else h
                 decision = {"verdict": verdict, "kept": labelled[best][0], "search": labelled[s][0],
                             "heuristic": labelled[h][0], "contenders": [labelled[i][0] for i in stay],
-                            "ratio": summary.to_dict(), "interval": self.interval, "rounds": len(ratios),
+                            "ratio": summary.to_dict(), "interval": self.interval, "rounds": len(rounds),
                             "budget_s": self.budget_s}
         seconds = time.perf_counter() - t0
         result = GuardResult(rows, labelled[best][0], labelled[0][0], round(seconds, 3), decision, rounds, skipped)
