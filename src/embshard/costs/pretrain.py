@@ -11,15 +11,23 @@ reads ``data_dir/compute.jsonl``, ``comm.jsonl`` and ``profile.json``, and write
 * ``data_card.md``: the numbers for the checkpoint's data card;
 * ``logs/<model>/metrics.csv`` (Lightning's CSVLogger, per epoch) and ``wandb/`` (offline).
 
-Held-out evaluation is by TABLES for the compute model: table names are split (seeded) into
-train/test (the collector's own held-out tables when its samples carry split="test"); a
-sample with any test table is a test sample. The validation set (early stopping, best
-weights, the sweep objective) is by default a seeded share of the remaining samples
-(``val_by: samples``): holding out val *tables* as well (``val_by: tables``, a sample with
-any val table is a val sample) costs about half the training shards when shards hold up to
-15 tables (a 15-table shard avoids 10% of the tables with probability 0.9^15 = 0.2). Comm samples are split by sample, and every sample with
-``holdout_num_devices`` devices is kept out of training altogether, to show that one model
-serves device counts it never saw.
+Held-out evaluation is by TABLES for the compute model: a sample with any test table is a
+test sample; the test tables are the collector's own held-out tables when its samples carry
+split="test" (else a seeded test_fraction share of all names). The validation set (early
+stopping, best weights, the sweep objective) by ``val_by``:
+
+* ``split`` (conf/cost_model/neural.yaml's default): the collector's held-out pool tables
+  are cut in half, validation and test tables (`embshard.data.split.TableSplit`, recorded in
+  the checkpoint and in ``split.json``); validation shards hold only tables no training
+  shard holds, and no training shard is spent on validation (`split_by_pool`);
+* ``samples`` (this module's default, for cost data without held-out pool tables): a seeded
+  share of the remaining samples, whose tables are trained on;
+* ``tables``: a seeded share of the training tables, a sample with any val table a val
+  sample; costs about half the training shards when shards hold up to 15 tables (a 15-table
+  shard avoids 10% of the tables with probability 0.9^15 = 0.2).
+
+Comm samples are split by sample, and every sample with ``holdout_num_devices`` devices is
+kept out of training altogether, to show that one model serves device counts it never saw.
 """
 
 from __future__ import annotations
@@ -47,6 +55,9 @@ from embshard.io import atomic_path, write_json_atomic, write_text_atomic
 from embshard.stats import kendall_tau_b
 
 log = logging.getLogger(__name__)
+
+#: how the validation set (early stopping, best weights, the objective) is drawn
+VAL_BY = ("samples", "tables", "split")
 
 #: defaults of every field `pretrain` reads (conf/cost_model/neural.yaml mirrors them)
 DEFAULTS: dict[str, Any] = {
@@ -144,6 +155,74 @@ def split_tables_honouring(samples: Sequence[N.ComputeSample], val_fraction: flo
     rest = [n for n in names if n not in collector_test]
     inner = split_tables(rest, val_fraction, 0.0, seed)
     return {"test": sorted(collector_test), "val": inner["val"], "train": inner["train"]}
+
+
+def split_by_pool(samples: Sequence[N.ComputeSample], profile: Mapping[str, Any], seed: int
+                  ) -> tuple[Any, dict[str, list[str]], dict[str, list[int]]]:
+    """``val_by: split``: the collector's held-out pool tables are cut into validation and test
+    tables (`embshard.data.split.TableSplit.from_held_out`, half each, the collector's holdout
+    seed), so validation shards hold only tables no training shard holds, as test shards do, and
+    no training shard is spent on validation.
+
+    A sample the collector drew from its held-out side is a test sample when it holds a test
+    table, else a validation sample when it holds a validation table; one of generated tables
+    only (fresh per shard) goes to either by a seeded coin. Every other sample trains.
+
+    Returns:
+        (the TableSplit, pool table names per split as "train" / "val" / "test", sample indices
+        per split).
+
+    Raises:
+        InputError: the collector held no tables out, or its pool file is not here (as recorded,
+            or by its name under the project's data/), or is not the pool it collected from.
+    """
+    from embshard.data.split import TableSplit
+
+    pool = profile.get("pool") or {}
+    hold = (profile.get("collection") or {}).get("holdout") or {}
+    if not pool.get("test_tables") or not hold.get("fraction"):
+        raise InputError("val_by=split needs cost data whose collector held pool tables out (collect.holdout.fraction "
+                         "> 0 and a table pool); use val_by=samples or val_by=tables")
+    entries = _collection_pool(pool)
+    by_name = {e["name"]: e for e in entries}
+    f = float(hold["fraction"])
+    split = TableSplit.from_held_out([by_name[n] for n in pool["train_tables"]],
+                                     [by_name[n] for n in pool["test_tables"]], f / 2, f / 2, int(hold["seed"]),
+                                     str(pool["source"]))
+    val_pool, test_pool = set(split.tables["validation"]), set(split.tables["test"])
+    coin = np.random.default_rng([int(seed), 0x5A1])
+    out: dict[str, list[int]] = {"train": [], "val": [], "test": []}
+    for i, s in enumerate(samples):
+        names = {t.name for t in s.tables}
+        if s.split != "test":
+            out["train"].append(i)
+        elif names & test_pool:
+            out["test"].append(i)
+        elif names & val_pool:
+            out["val"].append(i)
+        else:
+            out["val" if coin.random() < 0.5 else "test"].append(i)
+    tables = {"train": list(split.tables["train"]), "val": list(split.tables["validation"]),
+              "test": list(split.tables["test"])}
+    return split, tables, out
+
+
+def _collection_pool(pool: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The pool a collection drew from (its profile's `pool` block), checked by its digest."""
+    from embshard.costs.collect.profile import _pool_digest
+    from embshard.data.tasks import load_pool
+
+    src = Path(str(pool.get("source") or ""))
+    root = Path(__file__).resolve().parents[3]
+    for candidate in (src, root / "data" / src.name):
+        if src.name and candidate.is_file():
+            entries = load_pool(candidate)
+            if pool.get("digest") and _pool_digest(entries) != pool["digest"]:
+                raise InputError(f"val_by=split: {candidate} is not the pool the cost data was collected from "
+                                 "(its digest differs)")
+            return entries
+    raise InputError(f"val_by=split: the collection's pool {str(src) or '(none)'} is not here (nor under data/); "
+                     "its train / validation / test split is drawn from it")
 
 
 def split_compute(samples: Sequence[N.ComputeSample], tables: Mapping[str, Sequence[str]]) -> dict[str, list[int]]:
@@ -294,8 +373,8 @@ def resolve_config(cfg: Any) -> dict[str, Any]:
             raise InputError(f"compute.{k} must be a positive integer, got {v!r}")
     if out["comm"]["target"] not in N.TARGETS:
         raise InputError(f"comm.target must be one of {N.TARGETS}, got {out['comm']['target']!r}")
-    if out["val_by"] not in ("samples", "tables"):
-        raise InputError(f"val_by must be 'samples' or 'tables', got {out['val_by']!r}")
+    if out["val_by"] not in VAL_BY:
+        raise InputError(f"val_by must be one of {', '.join(VAL_BY)}, got {out['val_by']!r}")
     if int(out["max_epochs"]) < 1 or int(out["batch_size"]) < 1 or float(out["lr"]) <= 0:
         raise InputError("max_epochs and batch_size must be >= 1 and lr > 0")
     return out
@@ -334,10 +413,14 @@ def _pretrain(c: dict[str, Any], data_dir: Path, out_dir: Path) -> float:
 
     # ---- splits
     by_tables = c["val_by"] == "tables"
-    tables = split_tables_honouring(compute_samples, float(c["val_fraction"]) if by_tables else 0.0,
-                                    float(c["test_fraction"]), seed)
-    csplit = split_compute(compute_samples, tables)
-    if not by_tables:  # val: a seeded share of the non-test samples (their tables are train tables)
+    table_split = None
+    if c["val_by"] == "split":
+        table_split, tables, csplit = split_by_pool(compute_samples, profile, seed)
+    else:
+        tables = split_tables_honouring(compute_samples, float(c["val_fraction"]) if by_tables else 0.0,
+                                        float(c["test_fraction"]), seed)
+        csplit = split_compute(compute_samples, tables)
+    if c["val_by"] == "samples":  # val: a seeded share of the non-test samples (their tables are train tables)
         rest = csplit["train"]
         perm = np.random.default_rng(seed + 2).permutation(len(rest))
         n_val = max(1, int(round(float(c["val_fraction"]) * len(rest)))) if len(rest) >= 3 else 0
@@ -353,13 +436,15 @@ def _pretrain(c: dict[str, Any], data_dir: Path, out_dir: Path) -> float:
 
     loggers_for = _loggers(c, out_dir)
     try:
-        return _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, tables, csplit, msplit, loggers_for)
+        return _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, tables, csplit, msplit, loggers_for,
+                          table_split)
     except BaseException:
         loggers_for.finish(None)
         raise
 
 
-def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, tables, csplit, msplit, loggers_for) -> float:
+def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, tables, csplit, msplit, loggers_for,
+               table_split=None) -> float:
     hold = c["holdout_num_devices"]
     metrics: dict[str, Any] = {}
     bundle: dict[str, Any] = {"format_version": N.FORMAT_VERSION, "normalization": {}}
@@ -425,11 +510,14 @@ def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, tab
         "holdout_num_devices": hold,
         # the table split, by name and by identity (rows and pooling factor: names repeat across
         # pools), so an evaluation can refuse a test task holding a table trained or tuned on
-        "tables": {**tables, **_split_keys(compute_samples, tables)},
+        "tables": {**tables, **(_table_split_keys(table_split) if table_split is not None
+                                 else _split_keys(compute_samples, tables))},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": c,
         "host": platform.node(),
     }
+    if table_split is not None:  # the pool's train / validation / test tables (embshard.data.split.TableSplit)
+        data["split"] = table_split.to_dict()
     bundle.update({"profile": profile, "metrics": metrics, "data": data, "envelope": envelope.to_dict()})
     norm = profile.get("probe_normalisation")
     if norm is not None:
@@ -445,6 +533,8 @@ def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, tab
     write_json_atomic(out_dir / "metrics.json", {"metrics": metrics, "data": {k: v for k, v in data.items() if k != "tables"},
                                                  "heldout_tables": tables["test"], "val_tables": tables["val"]})
     write_text_atomic(out_dir / "metrics.csv", metrics_csv(metrics))
+    if table_split is not None:
+        table_split.save(out_dir / "split.json")
     write_text_atomic(out_dir / "data_card.md", data_card(metrics, data, profile, envelope))
     loggers_for.finish(metrics)
     log.info("wrote %s (objective %s = %.4f)", ckpt, c["objective"], objective)
@@ -539,6 +629,11 @@ def metrics_csv(metrics: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _table_split_keys(split: Any) -> dict[str, list[str]]:
+    """`<split>_keys` of a TableSplit, under pretrain's split names (train / val / test)."""
+    return {f"{k}_keys": sorted(split.keys[s]) for k, s in (("train", "train"), ("val", "validation"), ("test", "test"))}
+
+
 def _split_keys(samples: Sequence[N.ComputeSample], tables: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
     """`<split>_keys`: the identities (`embshard.data.split.table_key`) of each split's tables."""
     from embshard.data.split import key_of
@@ -555,6 +650,7 @@ def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, 
     rows = []
     for model, split, label in (
         ("compute", "test", "compute, held-out tables"),
+        *([("compute", "val", "compute, validation tables")] if data["config"]["val_by"] != "samples" else []),
         ("forward_comm", "test", "forward comm, held-out samples"),
         ("backward_comm", "test", "backward comm, held-out samples"),
         ("forward_comm", "heldout_devices", f"forward comm, unseen D={data['holdout_num_devices']}"),
@@ -576,6 +672,7 @@ def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, 
         f"- compute shards: {cs.get('train', 0)} train / {cs.get('val', 0)} val / {cs.get('test', 0)} test "
         f"(test by table names: {len(t['test'])} held-out tables, a shard with any of them is a test shard; "
         f"val by {data['config']['val_by']}{val_tables})\n"
+        + _split_card(data.get("split")) +
         f"- comm configurations: {ms.get('train', 0)} train / {ms.get('val', 0)} val / {ms.get('test', 0)} test, "
         f"plus {ms.get('heldout_devices', 0)} with D={data['holdout_num_devices']} never trained on; "
         f"device counts in the data: {data['comm_num_devices']}\n"
@@ -592,6 +689,17 @@ def data_card(metrics: dict[str, Any], data: dict[str, Any], profile: dict[str, 
         f"- these models: `python train.py stage=pretrain data_dir={data['source']} out_dir=<this folder>`\n"
         "- the shipped CPU checkpoint end to end: `make checkpoint`\n"
     )
+
+
+def _split_card(split: Mapping[str, Any] | None) -> str:
+    if not split:
+        return ""
+    n = {k: len(split[k]) for k in ("train", "validation", "test")}
+    return (f"- table split (`val_by: split`, `split.json` beside the checkpoint): pool {split['pool']}, seed "
+            f"{split['seed']}: {n['train']} train / {n['validation']} validation / {n['test']} test tables. Validation "
+            "shards (early stopping, best weights, the objective) hold validation tables and no test table; test "
+            "shards a test table; shards of generated tables only that the collector held out go to either by a "
+            "seeded coin\n")
 
 
 def _probe_card(norm: dict[str, Any] | None) -> str:

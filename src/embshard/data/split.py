@@ -77,14 +77,23 @@ class TableSplit:
         if len(entries) < 3:
             raise InputError(f"cannot split a pool of {len(entries)} table(s) into train, validation and test")
         train, held = split_pool(entries, validation_fraction + test_fraction, seed)
+        name = pool_name if pool_name is not None else (str(pool) if isinstance(pool, (str, os.PathLike)) else "<pool>")
+        return cls.from_held_out(train, held, validation_fraction, test_fraction, seed, name)
+
+    @classmethod
+    def from_held_out(cls, train: Sequence[Mapping[str, Any]], held: Sequence[Mapping[str, Any]],
+                      validation_fraction: float, test_fraction: float, seed: int, pool_name: str) -> "TableSplit":
+        """Split the held-out entries of a two-way split into validation and test (a seeded
+        shuffle, validation's share `validation_fraction / (validation_fraction + test_fraction)`);
+        `of_pool` does this to `split_pool`'s held-out tables, NeuroShard's pre-training
+        (`val_by: split`) to the cost-data collector's."""
         share = validation_fraction / (validation_fraction + test_fraction)
         n_val = min(max(1, round(share * len(held))), len(held) - 1) if len(held) > 1 else 0
         perm = np.random.default_rng([int(seed), 0x5A11D]).permutation(len(held))
         val = sorted(perm[:n_val].tolist())
         test = sorted(perm[n_val:].tolist())
-        parts = {"train": train, "validation": [held[i] for i in val], "test": [held[i] for i in test]}
-        name = pool_name if pool_name is not None else (str(pool) if isinstance(pool, (str, os.PathLike)) else "<pool>")
-        return cls(name, int(seed), float(validation_fraction), float(test_fraction),
+        parts = {"train": list(train), "validation": [held[i] for i in val], "test": [held[i] for i in test]}
+        return cls(pool_name, int(seed), float(validation_fraction), float(test_fraction),
                    {k: [e["name"] for e in v] for k, v in parts.items()},
                    {k: [key_of(e) for e in v] for k, v in parts.items()})
 
@@ -167,6 +176,9 @@ def seen_by_checkpoint(path: str | os.PathLike) -> SeenTables:
         names = set(card.get("train_tables", [])) | set(card.get("validation_tables", []))
         return SeenTables(str(p), _keys_in_pool(card.get("pool"), names), card.get("pool"), names)
     data = bundle.get("data") or {}
+    if data.get("split"):  # pre-trained with val_by=split: the pool's train / validation / test tables
+        s = TableSplit.from_dict(data["split"], f"{p}: data.split")
+        return SeenTables(str(p), s.seen("test"), s.pool, set(s.tables["train"]) | set(s.tables["validation"]))
     tables = data.get("tables") or {}
     keys = set(tables.get("train_keys", [])) | set(tables.get("val_keys", []))
     pool = (bundle.get("profile") or {}).get("pool") or {}
