@@ -56,7 +56,8 @@ mutation: $(STAMP)
 # NeuroShard on this CPU. `make checkpoint` rebuilds the shipped checkpoint from scratch (about
 # 3 hours here): random-shard cost data over the broad envelope (batch 2048-65536, tables with
 # and without histograms, 1-40 pieces, 2-16 devices; its pool tables from a separate 512-table
-# synthetic pool, seed 1), then the refine loop (measure what the search proposes, re-train).
+# synthetic pool, seed 1, split 384 train / 64 validation / 64 test tables: cost_model.pretrain.
+# val_by=split), then the refine loop (measure what the search proposes, re-train).
 # `make neuroshard-eval` re-runs the held-out comparison on the 128-table pool (seed 0);
 # `make trust-eval` the user-style evaluation tasks (no histograms, batch 8192/16384, 2/4/8
 # devices) and the fidelity table.
