@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-e2e venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-broad rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval rl-test-eval scale-bench
+.PHONY: demo test test-e2e venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-broad rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval rl-test-eval scale-bench checkpoint-compare
 
 venv: $(STAMP)
 
@@ -295,6 +295,27 @@ portfolio-eval: $(STAMP)
 			rounds=$(PE_ROUNDS) plot=false $(PE_EXTRA) out_dir=$(PE)/runs/$$s || exit 1; \
 	done
 	$(PY) scripts/portfolio_eval.py summarize $(PE)/runs $(PE_MORE) --out $(PE)
+
+# A re-trained NeuroShard checkpoint against the shipped one on VALIDATION tasks of unseen tables
+# (the split's validation tables of the evaluation pool; docs/neuroshard.md, "The shipped
+# checkpoint"): both without the guard, so the cost models alone choose the plans; every plan
+# measured, NSC_TASKS tasks in each of the six settings; the pair NEW/shipped per task.
+#   make checkpoint-compare NSC_NEW=experiments/refine/final/cost_models.pt
+NSC ?= experiments/checkpoint_compare
+NSC_NEW ?= experiments/refine/final/cost_models.pt
+NSC_TASKS ?= 3
+NSC_ALGOS := [random,round_robin,size_greedy,dim_greedy,lookup_greedy,size_lookup_greedy,neuroshard,neuroshard_new]
+
+checkpoint-compare: $(STAMP)
+	$(PY) scripts/portfolio_eval.py tasks --split validation --num-tasks $(NSC_TASKS) --out $(NSC)/tasks \
+		--checkpoints $(CKPT)/cost_models.pt checkpoints/dreamshard_cpu/policy.pt checkpoints/autoshard_cpu/policy.pt $(NSC_NEW)
+	for s in $(PE_SETTINGS); do \
+		$(PY) shard.py task_file=$(NSC)/tasks/$$s algorithms=$(NSC_ALGOS) '+search@searchers.neuroshard_new=neuroshard' \
+			searchers.neuroshard_new.name=neuroshard_new searchers.neuroshard_new.checkpoint=$(NSC_NEW) \
+			searchers.neuroshard.verify=0 searchers.neuroshard_new.verify=0 evaluate=measured measure=cpu rounds=3 \
+			plot=false out_dir=$(NSC)/runs/$$s || exit 1; \
+	done
+	$(PY) scripts/portfolio_eval.py summarize $(NSC)/runs --pairs neuroshard_new/neuroshard --out $(NSC)
 
 # DreamShard and AutoShard against the six heuristics on all 144 test tasks of the evaluation (24 per
 # setting; docs/portfolio.md, "24 tasks per setting"): portfolio-eval without NeuroShard and the
