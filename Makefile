@@ -312,7 +312,7 @@ checkpoint-compare: $(STAMP)
 	for s in $(PE_SETTINGS); do \
 		$(PY) shard.py task_file=$(NSC)/tasks/$$s algorithms=$(NSC_ALGOS) '+search@searchers.neuroshard_new=neuroshard' \
 			searchers.neuroshard_new.name=neuroshard_new searchers.neuroshard_new.checkpoint=$(NSC_NEW) \
-			searchers.neuroshard.verify=0 searchers.neuroshard_new.verify=0 evaluate=measured measure=cpu rounds=3 \
+			searchers.neuroshard.verify=0 searchers.neuroshard_new.verify=0 evaluate=measured measure=cpu rounds=2 \
 			plot=false out_dir=$(NSC)/runs/$$s || exit 1; \
 	done
 	$(PY) scripts/portfolio_eval.py summarize $(NSC)/runs --pairs neuroshard_new/neuroshard --out $(NSC)
