@@ -210,19 +210,17 @@ def split_by_pool(samples: Sequence[N.ComputeSample], profile: Mapping[str, Any]
 def _collection_pool(pool: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The pool a collection drew from (its profile's `pool` block), checked by its digest."""
     from embshard.costs.collect.profile import _pool_digest
+    from embshard.data.split import pool_file
     from embshard.data.tasks import load_pool
 
-    src = Path(str(pool.get("source") or ""))
-    root = Path(__file__).resolve().parents[3]
-    for candidate in (src, root / "data" / src.name):
-        if src.name and candidate.is_file():
-            entries = load_pool(candidate)
-            if pool.get("digest") and _pool_digest(entries) != pool["digest"]:
-                raise InputError(f"val_by=split: {candidate} is not the pool the cost data was collected from "
-                                 "(its digest differs)")
-            return entries
-    raise InputError(f"val_by=split: the collection's pool {str(src) or '(none)'} is not here (nor under data/); "
-                     "its train / validation / test split is drawn from it")
+    found = pool_file(pool.get("source"))
+    if found is None:
+        raise InputError(f"val_by=split: the collection's pool {pool.get('source') or '(none)'} is not here (nor under "
+                         "data/); its train / validation / test split is drawn from it")
+    entries = load_pool(found)
+    if pool.get("digest") and _pool_digest(entries) != pool["digest"]:
+        raise InputError(f"val_by=split: {found} is not the pool the cost data was collected from (its digest differs)")
+    return entries
 
 
 def split_compute(samples: Sequence[N.ComputeSample], tables: Mapping[str, Sequence[str]]) -> dict[str, list[int]]:

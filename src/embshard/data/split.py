@@ -186,22 +186,30 @@ def seen_by_checkpoint(path: str | os.PathLike) -> SeenTables:
     return SeenTables(str(p), keys or _keys_in_pool(pool.get("source"), names), pool.get("source"), names)
 
 
-def _keys_in_pool(pool: str | None, names: set[str]) -> set[str]:
-    """Keys of the named tables of a checkpoint's pool file, when that file is here (as given,
-    or by its name under the project's data/); empty otherwise (then names decide, within
-    the same pool)."""
-    from embshard.data.tasks import load_pool
-
-    if not pool:
-        return set()
+def pool_file(pool: str | os.PathLike | None) -> Path | None:
+    """A recorded pool file, when it is here: as recorded, or by its name under the project's
+    data/ (where pools are generated); None otherwise."""
+    if not pool or not Path(pool).name:
+        return None
     root = Path(__file__).resolve().parents[3]
     for candidate in (Path(pool), root / "data" / Path(pool).name):
         if candidate.is_file():
-            try:
-                return {key_of(e) for e in load_pool(candidate) if e["name"] in names}
-            except InputError:
-                return set()
-    return set()
+            return candidate
+    return None
+
+
+def _keys_in_pool(pool: str | None, names: set[str]) -> set[str]:
+    """Keys of the named tables of a checkpoint's pool file, when that file is here
+    (`pool_file`); empty otherwise (then names decide, within the same pool)."""
+    from embshard.data.tasks import load_pool
+
+    found = pool_file(pool)
+    if found is None:
+        return set()
+    try:
+        return {key_of(e) for e in load_pool(found) if e["name"] in names}
+    except InputError:
+        return set()
 
 
 def check_unseen(tasks: Iterable[Task], seen: Sequence[SeenTables], pool: str | None = None) -> None:
