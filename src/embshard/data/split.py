@@ -189,10 +189,11 @@ def seen_by_checkpoint(path: str | os.PathLike) -> SeenTables:
 def pool_file(pool: str | os.PathLike | None) -> Path | None:
     """A recorded pool file, when it is here: as recorded, or by its name under the project's
     data/ (where pools are generated); None otherwise."""
+    from embshard.data.default import ROOT
+
     if not pool or not Path(pool).name:
         return None
-    root = Path(__file__).resolve().parents[3]
-    for candidate in (Path(pool), root / "data" / Path(pool).name):
+    for candidate in (Path(pool), ROOT / "data" / Path(pool).name):
         if candidate.is_file():
             return candidate
     return None
