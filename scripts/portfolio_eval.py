@@ -401,6 +401,56 @@ def combine(args: argparse.Namespace) -> None:
     print(f"wrote {out / 'combined.json'}, {out / 'combined.md'}")
 
 
+def across(args: argparse.Namespace) -> None:
+    """One algorithm in two runs of the same tasks (before and after a change that only it
+    sees): its ratio to the best heuristic per task in run A over that in run B, so the day's
+    machine speed cancels; the best heuristic's own cost A over B is the control."""
+    import json
+
+    from embshard.io import write_text_atomic
+    from embshard.report import HEURISTICS
+    from embshard.stats import paired_ratio_summary
+
+    def load(run: str) -> dict[str, dict[str, float]]:
+        cost: dict[str, dict[str, float]] = {}
+        files = sorted(Path(run).glob("*/report.json"))
+        if not files:
+            sys.exit(f"error: {run}: no <setting>/report.json")
+        for f in files:
+            for r in json.loads(f.read_text())["results"]:
+                if r["valid"] and r.get("measured_cost_ms") is not None:
+                    cost.setdefault(f"{f.parent.name}/{r['task']}", {})[r["algorithm"]] = r["measured_cost_ms"]
+        return cost
+
+    (run_a, alg_a), (run_b, alg_b) = (x.rsplit(":", 1) for x in (args.a, args.b))
+    a, b = load(run_a), load(run_b)
+    rows, control = [], []
+    for t in sorted(set(a) & set(b)):
+        heur = [h for h in HEURISTICS if h in a[t] and h in b[t]]
+        if alg_a not in a[t] or alg_b not in b[t] or not heur:
+            continue
+        best_a, best_b = min(a[t][h] for h in heur), min(b[t][h] for h in heur)
+        rows.append((t, a[t][alg_a] / best_a, b[t][alg_b] / best_b))
+        control.append(best_a / best_b)
+    if not rows:
+        sys.exit("error: no task has both algorithms and a heuristic in both runs")
+    s = paired_ratio_summary([x / y for _, x, y in rows])
+    c = paired_ratio_summary(control)
+    lines = [f"{alg_a} in {run_a} against {alg_b} in {run_b}, {len(rows)} tasks measured in both:", "",
+             f"- ratio to the best heuristic per task: {sum(x for _, x, _ in rows) / len(rows):.3f} against "
+             f"{sum(y for _, _, y in rows) / len(rows):.3f}",
+             f"- the first over the second, per task: {s.mean:.3f} [{s.low:.3f}, {s.high:.3f}] {s.verdict}",
+             f"- control, the best heuristic's measured cost in the first run over the second: {c.mean:.3f} "
+             f"[{c.low:.3f}, {c.high:.3f}]", "", "| setting | tasks | first | second |", "|---|---|---|---|"]
+    for setting in sorted({t.split("/")[0] for t, _, _ in rows}):
+        r = [(x, y) for t, x, y in rows if t.split("/")[0] == setting]
+        lines.append(f"| {setting} | {len(r)} | {sum(x for x, _ in r) / len(r):.3f} | {sum(y for _, y in r) / len(r):.3f} |")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        write_text_atomic(args.out, text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -432,10 +482,14 @@ def main() -> None:
     c.add_argument("--pairs", nargs="*", default=[f"{a}/{b}" for a, b in PAIRS],
                    help="A/B: A over B per task, every setting together (default: %(default)s)")
     c.add_argument("--out", default=str(ROOT / "experiments" / "portfolio_eval" / "combined"))
+    x = sub.add_parser("across", help="one algorithm in two runs of the same tasks (before / after a change)")
+    x.add_argument("a", help="RUNS:ALGORITHM, the runs folder (one <setting>/report.json each) and the row")
+    x.add_argument("b", help="RUNS:ALGORITHM of the other run")
+    x.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = ap.parse_args()
     if args.cmd == "tasks" and (args.num_tasks < 1 or args.first_task < 0):
         sys.exit("error: --num-tasks must be at least 1 and --first-task at least 0")
-    {"tasks": make_tasks, "summarize": summarize, "combine": combine}[args.cmd](args)
+    {"tasks": make_tasks, "summarize": summarize, "combine": combine, "across": across}[args.cmd](args)
 
 
 if __name__ == "__main__":

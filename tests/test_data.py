@@ -196,6 +196,46 @@ def test_trace_replay(small_file):
     assert torch.equal(li, idx) and torch.equal(lo, off)
 
 
+def test_cost_models_see_a_trace_as_it_is_replayed(small_file, tmp_path):
+    """A replay draws bags with replacement, so at 4x the trace's bags every touched row is read
+    about four times as often as the trace's own histogram says: the histogram the cost models
+    see (`replayed_table`, `planning_view`, the collector's `piece_record`) is the replay's."""
+    from embshard.costs.collect.records import piece_record
+    from embshard.costs.features import planning_view, replayed_table
+    from embshard.plan import Shard
+    from embshard.task import Task
+
+    path, _ = small_file
+    ds = DlrmDataset.open(path)
+    n = ds.batch_size
+    tables = [t for t in ds.tables(dim=8) if ds.table_stats(int(t.trace.table_index)).num_unique > 500][:4]
+    assert len(tables) >= 2
+    for ratio in (1, 4):
+        for table in tables:
+            want = replayed_table(table, ratio * n).reuse_histogram
+            got = np.zeros(17)
+            for seed in range(3):  # what the measured evaluator runs: batch_indices' replay
+                idx, _ = batch_indices(table, ratio * n, np.random.default_rng(seed))
+                got += trace_stats(idx, ratio * n).reuse_histogram
+            tv, _ = syn.histogram_distances(got, want)
+            stale, _ = syn.histogram_distances(got, table.reuse_histogram)
+            assert tv < 0.04, (ratio, table.name, tv)
+            assert stale > 2 * tv + 0.05, (ratio, table.name, stale, tv)  # the trace's own histogram is not it
+            # without a histogram the trace's access counts give the same (exact per row)
+            bare = replayed_table(replace(table, reuse_histogram=None), ratio * n).reuse_histogram
+            assert syn.histogram_distances(bare, want)[0] < 0.03
+    task = Task("t", 2, 10**9, 4 * n, tuple(tables) + (Table("free", 1000, 8, 2.0),))
+    view, imputed = planning_view(task)
+    assert [t.reuse_histogram for t in view.tables[:-1]] == [replayed_table(t, 4 * n).reuse_histogram for t in tables]
+    assert imputed == ["free"]
+    rec = piece_record(tables[0], Shard(tables[0].name, 0, 0, 8, 0, tables[0].rows), 4 * n)
+    assert rec["reuse_histogram"] == pytest.approx(list(view.tables[0].reuse_histogram))
+    # a trace that cannot be read: the histogram as given, and a warning naming the table
+    lost = replace(tables[0], name="lost", trace=TraceRef(str(tmp_path / "gone.pt"), 0))
+    with pytest.warns(UserWarning, match="'lost': its trace cannot be read"):
+        assert replayed_table(lost, 4 * n).reuse_histogram == tables[0].reuse_histogram
+
+
 def test_draw_without_trace_matches_features(demo_file):
     path, _ = demo_file
     ds = DlrmDataset.open(path)

@@ -239,6 +239,31 @@ def test_portfolio_eval_summary_pools_every_setting_and_compares_with_neuroshard
     assert bad.returncode != 0 and bad.stderr.strip().splitlines() == ["error: --pairs 'portfolio': write A/B (A's measured cost over B's per task)"]
 
 
+def test_portfolio_eval_across_pairs_one_algorithm_over_two_runs_of_the_same_tasks(tmp_path):
+    # run "after" on a machine 2x slower: the ratio to the best heuristic cancels it
+    for run, scale, ns in [("before", 1.0, {"t1": 9.0, "t2": 10.0, "t3": 10.0}),
+                           ("after", 2.0, {"t1": 8.0, "t2": 9.0, "t3": 10.0})]:
+        for task, setting in [("t1", "8-12x4"), ("t2", "8-12x4"), ("t3", "20-30x2")]:
+            d = tmp_path / run / setting
+            d.mkdir(parents=True, exist_ok=True)
+            f = d / "report.json"
+            old = json.loads(f.read_text())["results"] if f.exists() else []
+            rows = [_result(task, "size_greedy", 10.0 * scale, 0.0), _result(task, "lookup_greedy", 12.0 * scale, 0.0),
+                    _result(task, "neuroshard", ns[task] * scale, 0.0)]
+            f.write_text(json.dumps({"results": old + rows}))
+    script = [sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "across"]
+    text = subprocess.run(script + [f"{tmp_path / 'after'}:neuroshard", f"{tmp_path / 'before'}:neuroshard"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "3 tasks measured in both" in text
+    assert f"ratio to the best heuristic per task: {(0.8 + 0.9 + 1.0) / 3:.3f} against {(0.9 + 1.0 + 1.0) / 3:.3f}" in text
+    assert f"the first over the second, per task: {(8 / 9 + 0.9 + 1.0) / 3:.3f} [" in text
+    assert "control, the best heuristic's measured cost in the first run over the second: 2.000 [2.000, 2.000]" in text
+    assert "| 8-12x4 | 2 | 0.850 | 0.950 |" in text and "| 20-30x2 | 1 | 1.000 | 1.000 |" in text
+    bad = subprocess.run(script + [f"{tmp_path / 'after'}:portfolio", f"{tmp_path / 'before'}:neuroshard"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "no task has both algorithms" in bad.stderr
+
+
 def test_portfolio_eval_combine_joins_passes_per_task_and_refuses_a_task_twice(tmp_path):
     """Two passes summarised apart, then combined: the same figures as one summary of both."""
     script = [sys.executable, str(ROOT / "scripts" / "portfolio_eval.py")]

@@ -20,6 +20,16 @@ synthetic model expects for its rows and pooling factor at the task's batch
 indices from (`embshard.data.indices`), so prediction and measurement see the same table.
 `planning_view(task)` gives the task with every histogram filled in this way and the names of
 the tables that were imputed (the report flags them).
+
+**Traced tables are seen as they are replayed.** A table with a trace is measured by replaying
+`batch_size` bags drawn with replacement from the trace's bags (`embshard.data.indices`), so
+at a batch of λ × the trace's bags every bag comes back Poisson(λ) times: a row read c times
+in the trace is read Poisson(λ·c) times, and the rows a step touches are not the trace's
+(λ = 4 at batch 16384 from a 4096-bag trace: each touched row is read about four times as
+often; even at λ = 1, a third of the bags are left out). The histogram the trace records is
+that of all its bags once. `planning_view` and the collector's records (`piece_histogram`)
+give a traced table the histogram of its replay at the task's batch (`replay_histogram`), so
+features describe what the kernels run on.
 """
 
 from __future__ import annotations
@@ -100,6 +110,89 @@ def imputed_histogram(rows: int, pooling_factor: float, batch_size: int) -> tupl
     return imputed_histograms([(rows, pooling_factor, batch_size)])[0]
 
 
+# ----------------------------------------------------------------------------- traced tables
+#: Upper edges of the reuse bins as access counts (bin k holds counts in (edge[k], edge[k+1]];
+#: the last bin everything above 32768); `embshard.tables.reuse_bin` bins the same way.
+_BIN_EDGES = np.array([0.0, 1.0] + [float(2**k) for k in range(1, 16)], dtype=np.float64)
+
+
+def _poisson_bin_shares(mu: np.ndarray) -> np.ndarray:
+    """[n, NUM_REUSE_BINS]: P(Poisson(mu_i) falls in reuse bin k), k = 0 .. 16 (bin 0 is a
+    count of 1; a count of 0, a row not touched, is in no bin)."""
+    import torch
+
+    m = torch.as_tensor(np.asarray(mu, dtype=np.float64).reshape(-1, 1))
+    edges = torch.as_tensor(_BIN_EDGES).reshape(1, -1)
+    # P(X <= k) = Q(k + 1, mu), the regularised upper incomplete gamma function
+    cdf = torch.special.gammaincc(edges + 1.0, m.expand(-1, edges.shape[1])).numpy()
+    return np.diff(np.concatenate([cdf, np.ones((cdf.shape[0], 1))], axis=1), axis=1)
+
+
+def replay_histogram(hist: Sequence[float], ratio: float) -> tuple[float, ...]:
+    """The reuse histogram of a trace replayed at `ratio` × its bags (bags drawn with
+    replacement, as `embshard.data.indices` replays), from the histogram of the trace itself:
+    a row of reuse bin k (read about `_BIN_COUNT[k]` times) is read Poisson(ratio × that)
+    times; the result is the share of the touched rows per bin."""
+    h = np.asarray(hist, dtype=np.float64)
+    if h.shape != (NUM_REUSE_BINS,) or h.sum() <= 0 or not ratio > 0:
+        raise ValueError(f"replay_histogram needs {NUM_REUSE_BINS} shares summing above 0 and a ratio > 0")
+    new = (h / h.sum()) @ _poisson_bin_shares(_BIN_COUNT * float(ratio))
+    return tuple(round(float(x), 6) for x in new / new.sum())
+
+
+def trace_histogram(access_counts: np.ndarray, ratio: float) -> tuple[float, ...]:
+    """`replay_histogram` from the trace's own access count of every row (exact per row
+    instead of per bin): for a traced table that comes without a histogram."""
+    c = np.asarray(access_counts)
+    c = c[c > 0]
+    if c.size == 0:
+        return _FLAT
+    counts, rows = np.unique(c, return_counts=True)
+    new = rows.astype(np.float64) @ _poisson_bin_shares(counts.astype(np.float64) * float(ratio))
+    return tuple(round(float(x), 6) for x in new / new.sum())
+
+
+_WARNED_TRACES: set[str] = set()
+
+
+def replayed_table(table: Table, batch_size: int) -> Table:
+    """`table` with the reuse histogram its replay at `batch_size` has, when it has a trace
+    (the module docstring); unchanged otherwise, or when the trace file cannot be read (a
+    warning says so once per file; measuring it would fail on the same file)."""
+    if table.trace is None:
+        return table
+    from embshard.data.dlrm_datasets import load_trace, trace_bags
+    from embshard.errors import InputError
+
+    try:
+        ratio = int(batch_size) / trace_bags(table.trace)
+        if _has_histogram(table):
+            hist = replay_histogram(table.reuse_histogram, ratio)
+        else:
+            idx, _ = load_trace(table.trace)
+            hist = trace_histogram(np.bincount(idx.numpy()), ratio)
+    except InputError as e:
+        if table.trace.file not in _WARNED_TRACES:
+            _WARNED_TRACES.add(table.trace.file)
+            import warnings
+
+            warnings.warn(f"table {table.name!r}: its trace cannot be read ({str(e).splitlines()[0]}); the cost "
+                          f"models see its reuse histogram as given, not as the replay at batch {batch_size}",
+                          stacklevel=2)
+        return table
+    return replace(table, reuse_histogram=hist)
+
+
+def piece_histogram(table: Table, batch_size: int) -> tuple[Table, bool]:
+    """(`table` with the histogram the cost models see at `batch_size`, whether it was
+    imputed): a traced table's replay (`replayed_table`), else `with_histogram`."""
+    if table.trace is not None:
+        t = replayed_table(table, batch_size)
+        if _has_histogram(t):
+            return t, False
+    return with_histogram(table, batch_size)
+
+
 def _has_histogram(table: Table) -> bool:
     return table.reuse_histogram is not None and sum(table.reuse_histogram) > 0
 
@@ -116,19 +209,21 @@ _LAST_VIEW: list = [None, None]  # (task, its planning view): tasks are frozen, 
 
 
 def planning_view(task):
-    """(`task` with every table's reuse histogram present, names of the imputed tables).
+    """(`task` with every table's reuse histogram present, names of the imputed tables): a
+    traced table's as its replay at the task's batch (`replayed_table`).
 
     Only cost models see this view; plans, memory and the measured evaluator use the task
     as given (whose trace-less tables draw indices from the same distribution)."""
     if _LAST_VIEW[0] is task:
         return _LAST_VIEW[1][0], list(_LAST_VIEW[1][1])
-    missing = [i for i, t in enumerate(task.tables) if not _has_histogram(t)]
-    tables = list(task.tables)
+    tables = [replayed_table(t, task.batch_size) for t in task.tables]
+    missing = [i for i, t in enumerate(tables) if not _has_histogram(t)]
     hists = imputed_histograms([(tables[i].rows, tables[i].pooling_factor, task.batch_size) for i in missing])
     for i, hist in zip(missing, hists):
         tables[i] = replace(tables[i], reuse_histogram=hist)
     imputed = [tables[i].name for i in missing]
-    view = (task, []) if not imputed else (replace(task, tables=tuple(tables)), imputed)
+    changed = any(a is not b for a, b in zip(tables, task.tables))
+    view = (replace(task, tables=tuple(tables)), imputed) if changed else (task, [])
     _LAST_VIEW[:] = [task, view]
     return view[0], list(view[1])
 

@@ -396,6 +396,22 @@ def open_cached(file: str | os.PathLike) -> DlrmDataset:
     return ds
 
 
+_BAGS: dict[tuple[str, int, int], int] = {}
+
+
+def trace_bags(ref: TraceRef) -> int:
+    """How many bags the trace of `ref` holds (its file's batch size); read once per file."""
+    p = Path(ref.file).resolve()
+    try:
+        st = p.stat()
+    except OSError:
+        raise InputError(f"{ref.file}: trace file not found") from None
+    key = (str(p), st.st_mtime_ns, st.st_size)
+    if key not in _BAGS:
+        _BAGS[key] = open_cached(p).batch_size
+    return _BAGS[key]
+
+
 def load_trace(ref: TraceRef) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices, offsets from 0) of the table a trace reference names; cached per file."""
     return open_cached(ref.file).trace(ref.table_index)

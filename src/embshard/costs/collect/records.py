@@ -52,12 +52,13 @@ def _table_record(t: Table) -> dict[str, Any]:  # the table fields a sample stor
 
 def piece_record(table: Table, shard: "Shard", batch_size: int) -> dict[str, Any]:
     """The JSON record of one measured piece: the Table the cost models see for it (its rows
-    × dim, its share of the lookups), with the reuse histogram the features use; imputed
-    ones (`features.imputed_histogram`, from the whole table) are flagged."""
-    from embshard.costs.features import with_histogram
+    × dim, its share of the lookups), with the reuse histogram the features use (a traced
+    table's as replayed at `batch_size`, `features.replayed_table`); imputed ones
+    (`features.imputed_histogram`, from the whole table) are flagged."""
+    from embshard.costs.features import piece_histogram
     from embshard.plan import piece_table
 
-    full, imputed = with_histogram(table, batch_size)
+    full, imputed = piece_histogram(table, batch_size)
     rec = _table_record(piece_table(full, shard))
     if imputed:
         rec["histogram_imputed"] = True
