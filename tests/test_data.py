@@ -228,6 +228,8 @@ def test_cost_models_see_a_trace_as_it_is_replayed(small_file, tmp_path):
     view, imputed = planning_view(task)
     assert [t.reuse_histogram for t in view.tables[:-1]] == [replayed_table(t, 4 * n).reuse_histogram for t in tables]
     assert imputed == ["free"]
+    given, _ = planning_view(task, replay_traces=False)  # the behaviour before 2026-11-27, for comparisons
+    assert [t.reuse_histogram for t in given.tables[:-1]] == [t.reuse_histogram for t in tables]
     rec = piece_record(tables[0], Shard(tables[0].name, 0, 0, 8, 0, tables[0].rows), 4 * n)
     assert rec["reuse_histogram"] == pytest.approx(list(view.tables[0].reuse_histogram))
     # a trace that cannot be read: the histogram as given, and a warning naming the table

@@ -205,18 +205,19 @@ def with_histogram(table: Table, batch_size: int) -> tuple[Table, bool]:
     return replace(table, reuse_histogram=hist), True
 
 
-_LAST_VIEW: list = [None, None]  # (task, its planning view): tasks are frozen, so identity is enough
+_LAST_VIEW: list = [None, None, None]  # (task, its planning view, replay_traces): tasks are frozen, so identity is enough
 
 
-def planning_view(task):
+def planning_view(task, replay_traces: bool = True):
     """(`task` with every table's reuse histogram present, names of the imputed tables): a
-    traced table's as its replay at the task's batch (`replayed_table`).
+    traced table's as its replay at the task's batch (`replayed_table`; as the task gives it
+    with `replay_traces=False`, the behaviour before 2026-11-27, kept for comparisons).
 
     Only cost models see this view; plans, memory and the measured evaluator use the task
     as given (whose trace-less tables draw indices from the same distribution)."""
-    if _LAST_VIEW[0] is task:
+    if _LAST_VIEW[0] is task and _LAST_VIEW[2] == replay_traces:
         return _LAST_VIEW[1][0], list(_LAST_VIEW[1][1])
-    tables = [replayed_table(t, task.batch_size) for t in task.tables]
+    tables = [replayed_table(t, task.batch_size) if replay_traces else t for t in task.tables]
     missing = [i for i, t in enumerate(tables) if not _has_histogram(t)]
     hists = imputed_histograms([(tables[i].rows, tables[i].pooling_factor, task.batch_size) for i in missing])
     for i, hist in zip(missing, hists):
@@ -224,7 +225,7 @@ def planning_view(task):
     imputed = [tables[i].name for i in missing]
     changed = any(a is not b for a, b in zip(tables, task.tables))
     view = (replace(task, tables=tuple(tables)), imputed) if changed else (task, [])
-    _LAST_VIEW[:] = [task, view]
+    _LAST_VIEW[:] = [task, view, replay_traces]
     return view[0], list(view[1])
 
 

@@ -300,6 +300,9 @@ class NeuroShardSharder(GuardSlot):
         max_candidates: per placement, re-predict at most this many allowed devices (those
             whose shard is predicted cheapest now); None: all (`GreedyPartitioner`).
         grid_max_work: thin the caps on tasks over this many pieces × devices × caps (None: never).
+        trace_histograms: "replay": a traced table is searched with the reuse histogram of its
+            replay at the task's batch, as the evaluator measures it (`features.replayed_table`);
+            "given": with the histogram the task gives (the behaviour before 2026-11-27).
     """
 
     #: cost models of pooled kernels; splits columns and rows
@@ -330,7 +333,11 @@ class NeuroShardSharder(GuardSlot):
         verify_interval: str = "bootstrap",
         max_candidates: int | None = MAX_CANDIDATE_DEVICES,
         grid_max_work: int | None = GRID_MAX_WORK,
+        trace_histograms: str = "replay",
     ):
+        if trace_histograms not in ("replay", "given"):
+            raise InputError(f"neuroshard: trace_histograms must be replay or given, got {trace_histograms!r}")
+        self.trace_histograms = trace_histograms
         for k, v in (("beam_width", beam_width), ("beam_steps", beam_steps), ("candidates", candidates)):
             if int(v) < 0:
                 raise InputError(f"neuroshard: {k} must be >= 0, got {v!r}")
@@ -407,7 +414,7 @@ class NeuroShardSharder(GuardSlot):
 
     # ------------------------------------------------------------------ Sharder
     def search(self, task: Task) -> NeuroShardSearch:
-        view, _ = planning_view(task)
+        view, _ = planning_view(task, self.trace_histograms == "replay")
         return NeuroShardSearch(
             view, self.simulator_for(task), caps=self.caps, beam_width=self.beam_width,
             beam_steps=self.beam_steps, candidates=self.candidates, column_wise=self.column_wise,
@@ -420,7 +427,7 @@ class NeuroShardSharder(GuardSlot):
         from embshard.plan import device_pieces
 
         sim = self.simulator_for(task)
-        view, _ = planning_view(task)
+        view, _ = planning_view(task, self.trace_histograms == "replay")
         return scale_costs(sim.device_costs(device_pieces(view, plan)), batch_ratio(sim.predictor, task))
 
     def shard(self, task: Task) -> Plan:
