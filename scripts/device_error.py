@@ -23,7 +23,6 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -42,12 +41,6 @@ _TOUCHED = F.INTENSIVE_NAMES.index("touched_row_share")
 _LOOKUPS = F.NUM_INTENSIVE + F.EXTENSIVE_NAMES.index("lookups_1e4")
 
 
-def _view(task: Task, histograms: str) -> Task:
-    if histograms == "replay":
-        return F.planning_view(task)[0]
-    return replace(task, tables=tuple(F.with_histogram(t, task.batch_size)[0] for t in task.tables))
-
-
 def device_errors(run_dirs: list[Path], models: NeuralCostModels, histograms: str) -> list[dict]:
     rows = []
     for root in run_dirs:
@@ -62,7 +55,7 @@ def device_errors(run_dirs: list[Path], models: NeuralCostModels, histograms: st
                 if not r.get("valid") or not meas or not plan_file.exists():
                     continue
                 task = Task.load(root / "tasks" / setting / f"{r['task']}.json")
-                view = _view(task, histograms)
+                view, _ = F.planning_view(task, replay_traces=histograms == "replay")
                 pieces = device_pieces(view, Plan.load(plan_file))
                 pred = models.at_batch(task.batch_size).compute_ms(pieces)
                 for d, (pc, m, p) in enumerate(zip(pieces, meas, pred)):

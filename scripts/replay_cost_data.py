@@ -25,14 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from embshard.costs.features import replay_histogram  # noqa: E402
+from embshard.costs.neural.samples import read_jsonl  # noqa: E402
 from embshard.data.dlrm_datasets import open_cached  # noqa: E402
 from embshard.errors import InputError  # noqa: E402
 
 
 def rewrite(data_dir: Path, out_dir: Path, pool: Path) -> dict[str, int]:
-    src = data_dir / "compute.jsonl"
-    if not src.is_file():
-        raise InputError(f"{src} not found")
+    records = read_jsonl(data_dir / "compute.jsonl")
     if out_dir.exists():
         raise InputError(f"{out_dir} exists; give a new folder")
     ds = open_cached(pool)
@@ -42,13 +41,7 @@ def rewrite(data_dir: Path, out_dir: Path, pool: Path) -> dict[str, int]:
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         lines = []
-        for no, line in enumerate(src.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{src}:{no}: not valid JSON ({e.msg})") from None
+        for _, rec in records:
             counts["samples"] += 1
             for t in rec.get("tables", []) if rec.get("kind", "compute") == "compute" else []:
                 counts["pieces"] += 1

@@ -377,17 +377,22 @@ _CACHE: "OrderedDict[tuple[str, int, int], DlrmDataset]" = OrderedDict()
 _CACHE_FILES = 2
 
 
-def open_cached(file: str | os.PathLike) -> DlrmDataset:
-    """The dataset of `file`, loaded once per process (a small LRU keyed by file)."""
+def _file_key(file: str | os.PathLike) -> tuple[str, int, int]:
+    """(resolved path, mtime, size) of a trace file: the caches' key (a rewritten file is new)."""
     p = Path(file).resolve()
     try:
         st = p.stat()
     except OSError:
         raise InputError(f"{file}: trace file not found") from None
-    key = (str(p), st.st_mtime_ns, st.st_size)
+    return (str(p), st.st_mtime_ns, st.st_size)
+
+
+def open_cached(file: str | os.PathLike) -> DlrmDataset:
+    """The dataset of `file`, loaded once per process (a small LRU keyed by file)."""
+    key = _file_key(file)
     ds = _CACHE.get(key)
     if ds is None:
-        ds = DlrmDataset.open(p)
+        ds = DlrmDataset.open(key[0])
         _CACHE[key] = ds
         while len(_CACHE) > _CACHE_FILES:
             _CACHE.popitem(last=False)
@@ -400,15 +405,11 @@ _BAGS: dict[tuple[str, int, int], int] = {}
 
 
 def trace_bags(ref: TraceRef) -> int:
-    """How many bags the trace of `ref` holds (its file's batch size); read once per file."""
-    p = Path(ref.file).resolve()
-    try:
-        st = p.stat()
-    except OSError:
-        raise InputError(f"{ref.file}: trace file not found") from None
-    key = (str(p), st.st_mtime_ns, st.st_size)
+    """How many bags the trace of `ref` holds (its file's batch size); read once per file
+    (kept apart from `open_cached`'s two-file LRU, so planning never re-loads a file for it)."""
+    key = _file_key(ref.file)
     if key not in _BAGS:
-        _BAGS[key] = open_cached(p).batch_size
+        _BAGS[key] = open_cached(key[0]).batch_size
     return _BAGS[key]
 
 
