@@ -46,6 +46,7 @@ def test_one_rl_sweep_trial_trains_offline_and_its_policy_plans(tmp_path):
 @pytest.mark.parametrize("override, message", [("rl.mask=bogus", "rl.mask must be one of"),
                                                ("rl.iterations=0", "rl.iterations must be >= 1"),
                                                ("rl.algorithm=flexshard", "rl.algorithm must be one of"),
+                                               ("rl.trace_histograms=bogus", "rl.trace_histograms must be one of"),
                                                ("rl.cost_data=/nonexistent/compute.jsonl", "no such file")])
 def test_bad_rl_config_is_one_line_error_and_writes_nothing(tmp_path, capsys, override, message):
     import train

@@ -126,6 +126,7 @@ def data_card_markdown(bundle_card: dict[str, Any], metrics: dict[str, Any], alg
         f"| hardware measurements | {c.get('measurements')} plans ({c.get('measured_what')}) |",
         f"| cost data | {c.get('cost_data_samples', 0)} compute samples (batch {c.get('cost_data_batch_sizes', '-')}) from `{c.get('cost_data')}` |",
         f"| switches | {c.get('switches')} |",
+        f"| traced tables' histograms | {c.get('trace_histograms', 'given')} |",
         f"| networks | {c.get('nets', '-')} |",
         f"| replayed plans | {c.get('replayed_plans', 0)} measured plans of an earlier run (`{c.get('replay')}`) |",
         f"| seed | {c.get('seed')} |",

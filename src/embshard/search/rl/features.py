@@ -7,6 +7,11 @@ pooling factor) gets the histogram the calibrated synthetic law expects at that 
 one the measured evaluator draws its indices from, never a flat one. They are z-scored with the mean and standard deviation of the TRAIN pool's tables (at
 the dims and batch of the training tasks), computed once and saved in the checkpoint: a task
 is never normalised by its own statistics.
+
+A table with a trace is measured by replaying bags drawn with replacement from its trace at
+the task's batch; with `trace_histograms="replay"` (recorded in the checkpoint) the features
+take the reuse histogram of that replay (`features.replayed_table`, as NeuroShard's cost
+models do), with "given" (checkpoints before 2026-11-27) the trace's own.
 """
 
 from __future__ import annotations
@@ -24,9 +29,15 @@ def feature_names() -> tuple[str, ...]:
     return tuple(F.FEATURE_NAMES)
 
 
-def raw_features(table: Table, batch_size: int) -> np.ndarray:
+TRACE_HISTOGRAMS = ("replay", "given")
+
+
+def raw_features(table: Table, batch_size: int, trace_histograms: str = "given") -> np.ndarray:
     """Raw (un-normalised) inputs of one table at `batch_size` (float32); a table without a
-    reuse histogram gets its imputed one (`features.with_histogram`)."""
+    reuse histogram gets its imputed one (`features.with_histogram`); a traced table its
+    replay's with `trace_histograms="replay"`."""
+    if trace_histograms == "replay":
+        table = F.replayed_table(table, batch_size)
     return F.table_features(F.with_histogram(table, batch_size)[0], batch_size)
 
 
@@ -38,17 +49,25 @@ class FeatureNorm:
     names: tuple[str, ...]
     mean: np.ndarray
     std: np.ndarray
+    #: "replay": a traced table's histogram as replayed at the task's batch; "given": the trace's own
+    trace_histograms: str = "given"
+
+    def __post_init__(self):
+        if self.trace_histograms not in TRACE_HISTOGRAMS:
+            raise ValueError(f"trace_histograms must be one of {', '.join(TRACE_HISTOGRAMS)}, got {self.trace_histograms!r}")
 
     @classmethod
-    def fit(cls, tables_at_batch: Iterable[tuple[Table, int]]) -> "FeatureNorm":
-        rows = {(t.name, t.rows, t.dim, t.pooling_factor, b): raw_features(t, b) for t, b in tables_at_batch}
+    def fit(cls, tables_at_batch: Iterable[tuple[Table, int]], trace_histograms: str = "given") -> "FeatureNorm":
+        rows = {(t.name, t.rows, t.dim, t.pooling_factor, b): raw_features(t, b, trace_histograms)
+                for t, b in tables_at_batch}
         x = np.stack(list(rows.values())).astype(np.float64)
         std = x.std(axis=0)
-        return cls(feature_names(), x.mean(axis=0).astype(np.float32), np.where(std < 1e-3, 1.0, std).astype(np.float32))
+        return cls(feature_names(), x.mean(axis=0).astype(np.float32), np.where(std < 1e-3, 1.0, std).astype(np.float32),
+                   trace_histograms)
 
     def __call__(self, tables: Sequence[Table], batch_size: int) -> np.ndarray:
         """[N, F] normalised inputs of `tables` at `batch_size`."""
-        x = np.stack([raw_features(t, batch_size) for t in tables])
+        x = np.stack([raw_features(t, batch_size, self.trace_histograms) for t in tables])
         return ((x - self.mean) / self.std).astype(np.float32)
 
     @property
@@ -56,8 +75,10 @@ class FeatureNorm:
         return len(self.names)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"names": list(self.names), "mean": [float(v) for v in self.mean], "std": [float(v) for v in self.std]}
+        return {"names": list(self.names), "mean": [float(v) for v in self.mean], "std": [float(v) for v in self.std],
+                "trace_histograms": self.trace_histograms}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FeatureNorm":
-        return cls(tuple(d["names"]), np.asarray(d["mean"], np.float32), np.asarray(d["std"], np.float32))
+        return cls(tuple(d["names"]), np.asarray(d["mean"], np.float32), np.asarray(d["std"], np.float32),
+                   d.get("trace_histograms", "given"))

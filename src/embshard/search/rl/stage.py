@@ -47,7 +47,7 @@ from embshard.plan import Plan
 from embshard.search.rl.buffer import Buffer
 from embshard.search.rl.checkpoint import ALGORITHMS, build_agent, data_card_markdown, save_checkpoint
 from embshard.search.rl.env import MASKS, best_plan
-from embshard.search.rl.features import FeatureNorm
+from embshard.search.rl.features import TRACE_HISTOGRAMS, FeatureNorm
 from embshard.hardware.protocol import torch_threads
 
 if TYPE_CHECKING:
@@ -82,6 +82,8 @@ def _check(c: dict[str, Any]) -> None:
         raise InputError(f"rl.mask must be one of {', '.join(MASKS)}, got {c['mask']!r}")
     if int(c["rollouts_per_task"]) < 1:
         raise InputError(f"rl.rollouts_per_task must be >= 1, got {c['rollouts_per_task']!r}")
+    if c.get("trace_histograms", "given") not in TRACE_HISTOGRAMS:
+        raise InputError(f"rl.trace_histograms must be one of {', '.join(TRACE_HISTOGRAMS)}, got {c['trace_histograms']!r}")
     for k in ("cost_data", "replay"):
         if c.get(k) and not Path(c[k]).is_file():
             hint = (f" (make it with `make {c[k]}`, or start without it: rl.cost_data=null)" if k == "cost_data"
@@ -230,7 +232,8 @@ class RLLoggers:
 
 # ----------------------------------------------------------------------------- train
 def make_agent(c: dict[str, Any], tasks: Sequence[Task]) -> Any:
-    norm = FeatureNorm.fit((tb, task.batch_size) for task in tasks for tb in task.tables)
+    norm = FeatureNorm.fit(((tb, task.batch_size) for task in tasks for tb in task.tables),
+                           c.get("trace_histograms", "given"))
     return build_agent(c["algorithm"], norm, c["nets"][c["algorithm"]], switches_of(c))
 
 
@@ -411,6 +414,7 @@ def run_rl(c: dict[str, Any], dataset: Path | None, out_dir: Path, make_evaluato
         "replayed_plans": len(replayed),
         "replay": c.get("replay"),
         "switches": switches_of(c),
+        "trace_histograms": c.get("trace_histograms", "given"),
         "nets": c["nets"][c["algorithm"]],
         "seed": seed,
         **{k: round(v, 1) for k, v in timing.items()},
