@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--autoshard", default=CHECKPOINTS["autoshard"])
     ap.add_argument("--trace-batch", type=int, default=512, help="batch of the synthetic trace file")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--split-columns", choices=("on", "off"), default="on",
+                    help="the column-split plan beside the whole-table one (conf/search's default: on)")
     ap.add_argument("--no-histograms", action="store_true",
                     help="drop the tables' reuse histograms (a user's tables: the searchers impute them)")
     ap.add_argument("--save-task", default=None, metavar="PATH",
@@ -63,7 +65,7 @@ def main() -> None:
     analytic = AnalyticCostModel()
     for samples in [int(s) for s in args.samples.split(",")]:
         for name, cls in (("dreamshard", DreamShardSharder), ("autoshard", AutoShardSharder)):
-            sharder = cls(checkpoint=getattr(args, name), samples=samples)
+            sharder = cls(checkpoint=getattr(args, name), samples=samples, split_columns=args.split_columns == "on")
             sharder.shard(warm)
             times, cpu = [], []
             for _ in range(args.repeats):
@@ -80,7 +82,18 @@ def main() -> None:
                   f"median {statistics.median(times):.2f} s over {len(times)}; valid plan, "
                   f"{len({s.device for s in plan.shards})} devices used, estimated {est['ms']:.1f} ms ({est['of']}, "
                   f"{est['source']}; analytic model: {ref:.1f} ms, {est['ms'] / ref:.2f}x)"
-                  + (f"; {est['reason']}" if "reason" in est else ""), flush=True)
+                  + (f"; {est['reason']}" if "reason" in est else "") + split_note(sharder), flush=True)
+
+
+def split_note(sharder) -> str:
+    """What the column split did on the last plan (nothing when it is off)."""
+    info = sharder.last_search_info.get("column_split")
+    if info is None:
+        return ""
+    if "skipped" in info:
+        return f"; column split skipped ({info['skipped']})"
+    return (f"; column split: {len(info['tables'])} tables cut into {info.get('slices', 0)} slices, "
+            f"{'kept' if info['chosen'] else 'not kept'}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ in test_rl_cli.py.) The training runs once per module.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from pathlib import Path
 
@@ -335,3 +336,71 @@ def test_bad_training_task_settings_are_input_errors(pool_file, override, messag
 
     with pytest.raises(InputError, match=message):
         training_tasks(small_task_config(override), pool_file, seed=0)
+
+
+def test_features_see_a_traced_table_as_replayed_when_the_checkpoint_says_so(pool_file):
+    """trace_histograms="replay": a traced table's inputs are those of its replay at the task's
+    batch (as NeuroShard's cost models see it), recorded in the normalisation a checkpoint
+    saves; a normalisation saved before the switch existed reads as "given"."""
+    from embshard.costs.features import replayed_table, table_features, with_histogram
+    from embshard.data.dlrm_datasets import DlrmDataset
+    from embshard.search.rl.features import FeatureNorm
+
+    ds = DlrmDataset.open(pool_file)
+    tables = list(ds.tables(dim=8))[:6]
+    batch = 4 * ds.batch_size  # each bag of the trace comes back about four times
+    given = FeatureNorm.fit([(t, batch) for t in tables])
+    replay = FeatureNorm.fit([(t, batch) for t in tables], "replay")
+    want = np.stack([table_features(with_histogram(replayed_table(t, batch), batch)[0], batch) for t in tables])
+    raw = replay(tables, batch) * replay.std + replay.mean
+    np.testing.assert_allclose(raw, want, rtol=1e-4, atol=1e-4)
+    own = given(tables, batch) * given.std + given.mean
+    assert np.abs(own - raw).max() > 0.1  # the trace's own histogram describes another reuse
+    bare = Table("bare", 5000, 8, 3.0)  # no trace: the same inputs either way
+    np.testing.assert_allclose(replay([bare], batch) * replay.std + replay.mean,
+                               given([bare], batch) * given.std + given.mean, rtol=1e-5, atol=1e-5)
+    d = replay.to_dict()
+    assert FeatureNorm.from_dict(d).trace_histograms == "replay"
+    d.pop("trace_histograms")
+    assert FeatureNorm.from_dict(d).trace_histograms == "given"
+    with pytest.raises(ValueError, match="trace_histograms must be one of"):
+        FeatureNorm(given.names, given.mean, given.std, "bogus")
+
+
+@pytest.mark.parametrize("algorithm", list(SHARDERS))
+def test_column_split_cuts_only_the_tables_that_set_the_bottleneck(trained, algorithm):
+    """split_columns: a table predicted to cost more alone than an even share is cut into equal
+    column slices (multiples of 4, at least min_partition, no more than the devices, only where
+    its sharding_types allow column_wise); the plan kept, split or whole, is the one the cost
+    network estimates lower, it is valid, and report info says which."""
+    path = str(trained[algorithm]["path"])
+    rng = np.random.default_rng(9)
+    small = random_tables(rng, 6, "s")
+    heavy = Table("heavy", 50_000, 64, 400.0)  # far more lookups than all the others together
+    for devices in (2, 4):
+        task = make_task(small + [heavy], devices, name=f"cut{devices}")
+        sharder = SHARDERS[algorithm](checkpoint=path, samples=2, split_columns=True)
+        red = sharder.column_slices(sharder.load(), task)
+        assert red is not None and {t for t, _ in red.slices.values()} == {"heavy"}
+        widths = [t.dim for t in red.task.tables if t.name in red.slices]
+        assert len(widths) == devices and set(widths) == {64 // devices}  # capped by the devices
+        assert sorted(off for _, off in red.slices.values()) == list(range(0, 64, 64 // devices))
+        plan = sharder.shard(task)
+        validate(task, plan)
+        info = sharder.last_search_info["column_split"]
+        assert info["tables"] == ["heavy"] and info["slices"] == devices
+        on = [s for s in plan.shards if s.table == "heavy"]
+        assert sum(s.dim for s in on) == 64
+        if not info["chosen"]:
+            assert len(on) == 1  # the whole table (slices on one device would merge back into one too)
+        assert info["chosen"] == (info["split_estimate_ms"] < info["whole_estimate_ms"])
+    # not allowed column_wise, or min_partition as wide as the table: never cut
+    task = make_task(small + [dataclasses.replace(heavy, sharding_types=("table_wise",))], 4, name="tw")
+    sharder = SHARDERS[algorithm](checkpoint=path, split_columns=True)
+    assert sharder.column_slices(sharder.load(), task) is None
+    task = make_task(small + [dataclasses.replace(heavy, min_partition=64)], 4, name="mp")
+    assert sharder.column_slices(sharder.load(), task) is None
+    task = make_task(small + [dataclasses.replace(heavy, min_partition=32)], 4, name="mp32")
+    assert [t.dim for t in sharder.column_slices(sharder.load(), task).task.tables if t.name != "heavy"][-2:] == [32, 32]
+    with pytest.raises(InputError, match="split_above must be > 0"):
+        SHARDERS[algorithm](checkpoint=path, split_columns=True, split_above=0)

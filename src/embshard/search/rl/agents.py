@@ -29,7 +29,9 @@ def _ordered_view(task: Task, x: torch.Tensor, single_ms: torch.Tensor) -> TaskV
     names = [t.name for t in task.tables]
     order = sorted(range(len(names)), key=lambda i: (-float(single_ms[i]), names[i]))
     needs = [task.table_memory_bytes(task.tables[i]) for i in order]
-    return TaskView(task, order, x[order], needs, float(single_ms.sum()) / task.num_devices)
+    view = TaskView(task, order, x[order], needs, float(single_ms.sum()) / task.num_devices)
+    view.cache["single_ms"] = single_ms[order]  # each table's predicted cost alone (column splits read it)
+    return view
 
 
 def _placed_onehot(devices: torch.Tensor, d: int) -> torch.Tensor:

@@ -7,21 +7,34 @@ and keeps the one the agent's cost network estimates cheapest (best-of-K). Sampl
 skipped on tasks with more than `sample_max_work` tables x devices x samples, where its
 extra ledger look-ahead work would dominate (856 tables x 128 devices x 8 samples is 877k:
 argmax only, about 4 s here, where best-of-8 took 23-29 s).
+
+With `split_columns` (not in the references, which place whole tables), a table whose
+predicted cost alone exceeds `split_above` times an even share of the task's predicted compute
+(so whichever device holds it is the bottleneck) is cut into 2, 4, ... equal column slices
+(widths multiples of 4, at least its `min_partition`, no more slices than devices, only where
+its `sharding_types` allow column_wise) until each slice's share is below that; the policy
+places the slices as tables, slices that land on one device are merged, and the plan with the
+lower estimate by the agent's own cost network, split or whole, is kept. report.json's
+search info says which and by how much.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import time
 from typing import Any
 
 import torch
 
-from embshard.errors import InputError
+from embshard.errors import InfeasibleError, InputError
 from embshard.hardware.protocol import torch_threads
 from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities
+from embshard.search.constrained import SLICE_MARK, Reduction, expand
+from embshard.tables import DIM_ALIGNMENT
 from embshard.search.rl.checkpoint import load_checkpoint, resolve_path
 from embshard.search.rl.env import best_plan
 from embshard.task import Task
@@ -42,17 +55,31 @@ class RLSharder:
         max_candidates: on a task of more devices than this, each placement scores only this
             many devices with room, those whose predicted cost is lowest now (`env.rollout`);
             None: every device.
+        split_columns: also plan with the costliest tables cut into column slices (module
+            doc) and keep the plan the cost network estimates lower.
+        split_above: a table is cut when its predicted cost alone exceeds this many even
+            shares of the task's predicted compute.
+        split_max_work: skip the split plan when its slices x devices exceed this (its
+            second rollout would double the planning time of a task that large; None: never skip).
     """
 
     algorithm = "rl"
-    #: policies trained on pooled tasks; whole tables only
+    #: policies trained on pooled tasks. splits_tables stays False with split_columns: the split
+    #: is tried for cost, never to fit memory, so an infeasible task still points to the planners
+    #: that split tables to fit
     capabilities = Capabilities(("pooled",), splits_tables=False)
 
     def __init__(self, checkpoint: str | os.PathLike, samples: int = 0, sample_max_work: int | None = 200_000,
                  seed: int = 0, num_threads: int | None = 1, name: str | None = None,
-                 max_candidates: int | None = 128):
+                 max_candidates: int | None = 128, split_columns: bool = False, split_above: float = 1.0,
+                 split_max_work: int | None = 2_000_000):
         if int(samples) < 0:
             raise InputError(f"{self.algorithm}: samples must be >= 0, got {samples!r}")
+        if not float(split_above) > 0:
+            raise InputError(f"{self.algorithm}: split_above must be > 0, got {split_above!r}")
+        self.split_columns = bool(split_columns)
+        self.split_above = float(split_above)
+        self.split_max_work = None if split_max_work is None else int(split_max_work)
         self.checkpoint = str(checkpoint)
         self.samples = int(samples)
         self.sample_max_work = None if sample_max_work is None else int(sample_max_work)
@@ -84,10 +111,13 @@ class RLSharder:
         agent = self.load()
         start = time.perf_counter()
         samples = self.samples_for(task)
+        split: dict[str, Any] | None = None
         with torch_threads(self.num_threads), torch.inference_mode():  # no autograd bookkeeping per op
             gen = torch.Generator().manual_seed(self.seed)
             plan, estimate_ms = best_plan(agent, task, samples, generator=gen, algorithm=self.name,
                                           max_candidates=self.max_candidates)
+            if self.split_columns:
+                plan, estimate_ms, split = self._split_plan(agent, task, samples, plan, estimate_ms)
         validate(task, plan)
         self.last_search_seconds = time.perf_counter() - start
         estimate = self.trusted_estimate(task, plan, estimate_ms)
@@ -96,11 +126,78 @@ class RLSharder:
         # samples below samples_requested: the task was over sample_max_work (argmax only)
         self.last_search_info = {"checkpoint": str(resolve_path(self.checkpoint)), "samples": samples,
                                  "samples_requested": self.samples, "estimate": estimate}
+        if split is not None:
+            self.last_search_info["column_split"] = split
         if samples < self.samples:
             log.info("%s: %s has %d tables x %d devices; argmax only (sample_max_work=%s)", self.name, task.name,
                      len(task.tables), task.num_devices, self.sample_max_work)
         return plan
 
+
+    def column_slices(self, agent: Any, task: Task) -> Reduction | None:
+        """The task with its costliest tables cut into column slices (module doc), as a
+        `Reduction` that `constrained.expand` maps back; None when no table qualifies."""
+        view = agent.prepare(task)
+        single = dict(zip((t.name for t in view.tables), view.cache["single_ms"].tolist()))
+        limit = self.split_above * view.even_ms
+        single_host = (task.devices_per_host or task.num_devices) == task.num_devices
+        names = set(task.table_by_name)
+        kept, slices = [], {}
+        for t in task.tables:
+            k = 1
+            if single[t.name] > limit and (t.allows("column_wise") or (single_host and t.allows("table_column_wise"))):
+                k = min(2 ** math.ceil(math.log2(single[t.name] / limit)), task.num_devices)
+                while k > 1 and (t.dim % k or (t.dim // k) % DIM_ALIGNMENT or t.dim // k < t.narrowest_column_piece()):
+                    k //= 2
+            if k == 1:
+                kept.append(t)
+                continue
+            width = t.dim // k
+            for i in range(k):
+                name = f"{t.name}{SLICE_MARK}{i}"
+                while name in names:
+                    name += "_"
+                names.add(name)
+                slices[name] = (t.name, i * width)
+                kept.append(dataclasses.replace(t, name=name, dim=width, sharding_types=("table_wise",),
+                                                min_partition=None))
+        if not slices:
+            return None
+        return Reduction(dataclasses.replace(task, tables=tuple(kept)), slices=slices)
+
+    def _split_plan(self, agent: Any, task: Task, samples: int, plan: Plan, estimate_ms: float
+                    ) -> tuple[Plan, float, dict[str, Any]]:
+        """(plan, estimate, what was tried): the whole-table plan, or the column-split one where
+        the cost network estimates it lower."""
+        too_big = self._over_split_work(len(task.tables), task.num_devices)  # slices only add tables
+        if too_big:
+            return plan, estimate_ms, {"tables": [], "chosen": False, "skipped": too_big}
+        reduction = self.column_slices(agent, task)
+        if reduction is None:
+            return plan, estimate_ms, {"tables": [], "chosen": False}
+        cut = sorted({name for name, _ in reduction.slices.values()})
+        info: dict[str, Any] = {"tables": cut, "slices": len(reduction.slices), "whole_estimate_ms": float(estimate_ms)}
+        too_big = self._over_split_work(len(reduction.task.tables), task.num_devices)
+        if too_big:
+            info.update(chosen=False, skipped=too_big)
+            return plan, estimate_ms, info
+        try:
+            gen = torch.Generator().manual_seed(self.seed)
+            sliced, sliced_ms = best_plan(agent, reduction.task, samples, generator=gen, algorithm=self.name,
+                                          max_candidates=self.max_candidates)
+        except InfeasibleError as e:  # slices pack no worse than whole tables; kept whole if not
+            info.update(chosen=False, error=str(e).splitlines()[0])
+            return plan, estimate_ms, info
+        info.update(split_estimate_ms=float(sliced_ms), chosen=bool(sliced_ms < estimate_ms))
+        if not info["chosen"]:
+            return plan, estimate_ms, info
+        return expand(task, reduction, sliced, self.name), float(sliced_ms), info
+
+    def _over_split_work(self, tables: int, devices: int) -> str | None:
+        """Why the split plan is not tried at this size (None: it is)."""
+        if self.split_max_work is None or tables * devices <= self.split_max_work:
+            return None
+        return f"{tables} tables x {devices} devices > split_max_work={self.split_max_work}"
 
     def trusted_estimate(self, task: Task, plan: Plan, network_ms: float) -> dict[str, Any]:
         """What this planner reports as its plan's estimate: its cost network's, unless the task
