@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--split-columns", choices=("on", "off"), default="on",
                     help="the column-split plan beside the whole-table one (conf/search's default: on)")
+    ap.add_argument("--split-judge", default=str(ROOT / "checkpoints" / "cpu_fbgemm" / "cost_models.pt"),
+                    help="cost-model checkpoint that picks split or whole (conf/search's default); 'none': the policy's network")
     ap.add_argument("--no-histograms", action="store_true",
                     help="drop the tables' reuse histograms (a user's tables: the searchers impute them)")
     ap.add_argument("--save-task", default=None, metavar="PATH",
@@ -65,7 +67,8 @@ def main() -> None:
     analytic = AnalyticCostModel()
     for samples in [int(s) for s in args.samples.split(",")]:
         for name, cls in (("dreamshard", DreamShardSharder), ("autoshard", AutoShardSharder)):
-            sharder = cls(checkpoint=getattr(args, name), samples=samples, split_columns=args.split_columns == "on")
+            sharder = cls(checkpoint=getattr(args, name), samples=samples, split_columns=args.split_columns == "on",
+                          split_judge=None if args.split_judge == "none" else args.split_judge)
             sharder.shard(warm)
             times, cpu = [], []
             for _ in range(args.repeats):

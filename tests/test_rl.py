@@ -394,6 +394,15 @@ def test_column_split_cuts_only_the_tables_that_set_the_bottleneck(trained, algo
         if not info["chosen"]:
             assert len(on) == 1  # the whole table (slices on one device would merge back into one too)
         assert info["chosen"] == (info["split_estimate_ms"] < info["whole_estimate_ms"])
+    # another judge: NeuroShard's cost models decide between the two plans instead
+    task = make_task(small + [heavy], 4, name="judged")
+    judged = SHARDERS[algorithm](checkpoint=path, split_columns=True,
+                                 split_judge=str(ROOT / "checkpoints" / "cpu_fbgemm" / "cost_models.pt"))
+    plan = judged.shard(task)
+    validate(task, plan)
+    info = judged.last_search_info["column_split"]
+    assert info["chosen"] == (info["split_judged_ms"] < info["whole_judged_ms"])
+    assert (len([s for s in plan.shards if s.table == "heavy"]) > 1) <= info["chosen"]
     # not allowed column_wise, or min_partition as wide as the table: never cut
     task = make_task(small + [dataclasses.replace(heavy, sharding_types=("table_wise",))], 4, name="tw")
     sharder = SHARDERS[algorithm](checkpoint=path, split_columns=True)

@@ -61,6 +61,9 @@ class RLSharder:
             shares of the task's predicted compute.
         split_max_work: skip the split plan when its slices x devices exceed this (its
             second rollout would double the planning time of a task that large; None: never skip).
+        split_judge: what decides between the split and the whole-table plan: None, the agent's
+            own cost network; or a neural cost-model checkpoint (NeuroShard's, the portfolio's
+            ranker), whose plan cost estimate decides instead.
     """
 
     algorithm = "rl"
@@ -72,7 +75,7 @@ class RLSharder:
     def __init__(self, checkpoint: str | os.PathLike, samples: int = 0, sample_max_work: int | None = 200_000,
                  seed: int = 0, num_threads: int | None = 1, name: str | None = None,
                  max_candidates: int | None = 128, split_columns: bool = False, split_above: float = 1.0,
-                 split_max_work: int | None = 2_000_000):
+                 split_max_work: int | None = 2_000_000, split_judge: str | os.PathLike | None = None):
         if int(samples) < 0:
             raise InputError(f"{self.algorithm}: samples must be >= 0, got {samples!r}")
         if not float(split_above) > 0:
@@ -80,6 +83,8 @@ class RLSharder:
         self.split_columns = bool(split_columns)
         self.split_above = float(split_above)
         self.split_max_work = None if split_max_work is None else int(split_max_work)
+        self.split_judge = None if split_judge in (None, "") else str(split_judge)
+        self._judge: Any = None
         self.checkpoint = str(checkpoint)
         self.samples = int(samples)
         self.sample_max_work = None if sample_max_work is None else int(sample_max_work)
@@ -189,9 +194,22 @@ class RLSharder:
             info.update(chosen=False, error=str(e).splitlines()[0])
             return plan, estimate_ms, info
         info.update(split_estimate_ms=float(sliced_ms), chosen=bool(sliced_ms < estimate_ms))
+        split_plan = expand(task, reduction, sliced, self.name)
+        if self.split_judge is not None:
+            judge = self._judge_model()
+            whole_j, split_j = (float(judge.device_costs(task, p).plan_cost_ms) for p in (plan, split_plan))
+            info.update(judge=self.split_judge, whole_judged_ms=whole_j, split_judged_ms=split_j,
+                        chosen=bool(split_j < whole_j))
         if not info["chosen"]:
             return plan, estimate_ms, info
-        return expand(task, reduction, sliced, self.name), float(sliced_ms), info
+        return split_plan, float(sliced_ms), info
+
+    def _judge_model(self) -> Any:
+        if self._judge is None:
+            from embshard.costs.predictor import load_models
+
+            self._judge = load_models(self.split_judge, self.name).neural
+        return self._judge
 
     def _over_split_work(self, tables: int, devices: int) -> str | None:
         """Why the split plan is not tried at this size (None: it is)."""
