@@ -13,8 +13,9 @@ predicted cost alone exceeds `split_above` times an even share of the task's pre
 (so whichever device holds it is the bottleneck) is cut into 2, 4, ... equal column slices
 (widths multiples of 4, at least its `min_partition`, no more slices than devices, only where
 its `sharding_types` allow column_wise) until each slice's share is below that; the policy
-places the slices as tables, slices that land on one device are merged, and the plan with the
-lower estimate by the agent's own cost network, split or whole, is kept. report.json's
+places the slices as tables, slices that land on one device are merged, and the plan estimated
+lower, split or whole, is kept: by `split_judge`, a neural cost-model checkpoint (NeuroShard's,
+as conf/search sets it), or by the agent's own cost network when that is None. report.json's
 search info says which and by how much.
 """
 
@@ -34,9 +35,9 @@ from embshard.hardware.protocol import torch_threads
 from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities
 from embshard.search.constrained import SLICE_MARK, Reduction, expand
-from embshard.tables import DIM_ALIGNMENT
 from embshard.search.rl.checkpoint import load_checkpoint, resolve_path
 from embshard.search.rl.env import best_plan
+from embshard.tables import DIM_ALIGNMENT
 from embshard.task import Task
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class RLSharder:
             many devices with room, those whose predicted cost is lowest now (`env.rollout`);
             None: every device.
         split_columns: also plan with the costliest tables cut into column slices (module
-            doc) and keep the plan the cost network estimates lower.
+            doc) and keep the plan estimated lower (see split_judge).
         split_above: a table is cut when its predicted cost alone exceeds this many even
             shares of the task's predicted compute.
         split_max_work: skip the split plan when its slices x devices exceed this (its
@@ -138,7 +139,6 @@ class RLSharder:
                      len(task.tables), task.num_devices, self.sample_max_work)
         return plan
 
-
     def column_slices(self, agent: Any, task: Task) -> Reduction | None:
         """The task with its costliest tables cut into column slices (module doc), as a
         `Reduction` that `constrained.expand` maps back; None when no table qualifies."""
@@ -172,8 +172,8 @@ class RLSharder:
 
     def _split_plan(self, agent: Any, task: Task, samples: int, plan: Plan, estimate_ms: float
                     ) -> tuple[Plan, float, dict[str, Any]]:
-        """(plan, estimate, what was tried): the whole-table plan, or the column-split one where
-        the cost network estimates it lower."""
+        """(plan, the agent's estimate of it, what was tried): the whole-table plan, or the
+        column-split one where the judge (`split_judge`, else the agent's network) estimates it lower."""
         too_big = self._over_split_work(len(task.tables), task.num_devices)  # slices only add tables
         if too_big:
             return plan, estimate_ms, {"tables": [], "chosen": False, "skipped": too_big}
