@@ -205,6 +205,10 @@ def with_histogram(table: Table, batch_size: int) -> tuple[Table, bool]:
     return replace(table, reuse_histogram=hist), True
 
 
+#: how a traced table's reuse histogram reaches a cost model: "replay" (its replay at the task's
+#: batch, `replayed_table`) or "given" (the trace's own, the behaviour before 2026-11-27)
+TRACE_HISTOGRAMS = ("replay", "given")
+
 _LAST_VIEW: list = [None, None, None]  # (task, its planning view, replay_traces): tasks are frozen, so identity is enough
 
 

@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from embshard.costs.base import DeviceCosts
-from embshard.costs.features import planning_view
+from embshard.costs.features import TRACE_HISTOGRAMS, planning_view
 from embshard.costs.neural.models import BatchCostModels
 from embshard.costs.predictor import (BUILD_COMMAND, DEFAULT_CHECKPOINT, ROOT, FixedFamily, LoadedModels,
                                       PredictorFamily, ShardPredictor, batch_ratio, load_models, resolve_path,
@@ -335,7 +335,7 @@ class NeuroShardSharder(GuardSlot):
         grid_max_work: int | None = GRID_MAX_WORK,
         trace_histograms: str = "replay",
     ):
-        if trace_histograms not in ("replay", "given"):
+        if trace_histograms not in TRACE_HISTOGRAMS:
             raise InputError(f"neuroshard: trace_histograms must be replay or given, got {trace_histograms!r}")
         self.trace_histograms = trace_histograms
         for k, v in (("beam_width", beam_width), ("beam_steps", beam_steps), ("candidates", candidates)):

@@ -29,16 +29,15 @@ def feature_names() -> tuple[str, ...]:
     return tuple(F.FEATURE_NAMES)
 
 
-TRACE_HISTOGRAMS = ("replay", "given")
+TRACE_HISTOGRAMS = F.TRACE_HISTOGRAMS
 
 
 def raw_features(table: Table, batch_size: int, trace_histograms: str = "given") -> np.ndarray:
     """Raw (un-normalised) inputs of one table at `batch_size` (float32); a table without a
     reuse histogram gets its imputed one (`features.with_histogram`); a traced table its
-    replay's with `trace_histograms="replay"`."""
-    if trace_histograms == "replay":
-        table = F.replayed_table(table, batch_size)
-    return F.table_features(F.with_histogram(table, batch_size)[0], batch_size)
+    replay's with `trace_histograms="replay"` (`features.piece_histogram`, as the cost models)."""
+    fill = F.piece_histogram if trace_histograms == "replay" else F.with_histogram
+    return F.table_features(fill(table, batch_size)[0], batch_size)
 
 
 @dataclass

@@ -193,9 +193,12 @@ class RLSharder:
         except InfeasibleError as e:  # slices pack no worse than whole tables; kept whole if not
             info.update(chosen=False, error=str(e).splitlines()[0])
             return plan, estimate_ms, info
-        info.update(split_estimate_ms=float(sliced_ms), chosen=bool(sliced_ms < estimate_ms))
-        split_plan = expand(task, reduction, sliced, self.name)
-        if self.split_judge is not None:
+        info["split_estimate_ms"] = float(sliced_ms)
+        if self.split_judge is None:
+            info["chosen"] = bool(sliced_ms < estimate_ms)
+            split_plan = expand(task, reduction, sliced, self.name) if info["chosen"] else None
+        else:
+            split_plan = expand(task, reduction, sliced, self.name)
             judge = self._judge_model()
             whole_j, split_j = (float(judge.device_costs(task, p).plan_cost_ms) for p in (plan, split_plan))
             info.update(judge=self.split_judge, whole_judged_ms=whole_j, split_judged_ms=split_j,
