@@ -270,3 +270,27 @@ def test_dreamshard_lazy_step_prices_the_taken_device_as_advance_would():
             agent.advance(view, twin, t, devices, placed)
             torch.testing.assert_close(state["costs"], twin["costs"], rtol=1e-5, atol=1e-6)
             assert "taken" not in state
+
+
+def test_dreamshard_full_step_keeps_compute_current_and_finish_refreshes_comm():
+    """A step that scores every device (structured comm heads) leaves `advance` the compute of
+    the device that took the table and marks the comm columns stale, since the next step
+    prices every device again: the compute column must be what a full recompute gives after
+    every step, and `finish` must bring back every column (the "devices" estimate reads them)."""
+    agent = DreamShardSharder("checkpoints/dreamshard_cpu/policy.pt", samples=0).load()
+    task = make_task(20, 4)
+    with torch.inference_mode():
+        view = agent.prepare(task)
+        state = agent.init_state(view, 2)
+        placed = torch.tensor([True, False])  # the second episode skips every step: nothing changes
+        for t in range(view.num_tables):
+            logits, _ = agent.step(view, state, t, torch.zeros(2, 4))
+            assert state["taken_compute"].shape == (2, 4)
+            agent.advance(view, state, t, logits.argmax(1), placed)
+            full = agent.costnet.device_costs(state["S"], state["cnt"])
+            torch.testing.assert_close(state["costs"][..., 0], full[..., 0], rtol=1e-5, atol=1e-6)
+            assert state["stale"] and "taken_compute" not in state
+        assert not torch.allclose(state["costs"], full)  # the comm columns are behind before finish
+        agent.finish(view, state)
+        torch.testing.assert_close(state["costs"], agent.costnet.device_costs(state["S"], state["cnt"]))
+        assert state["cnt"][1].sum() == 0

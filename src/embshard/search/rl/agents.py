@@ -67,6 +67,7 @@ class _Estimating:
             state = self.init_state(view, 1)
             for t, table in enumerate(view.tables):
                 self.advance(view, state, t, torch.tensor([device_of[table.name]]), torch.tensor([True]))
+            self.finish(view, state)
             return float(self.estimate(view, state)[0])
 
 
@@ -163,6 +164,9 @@ class DreamShardAgent(_Estimating):
             cf, whatif = cost_features(out[:k], view.even_ms), cost_features(out[k : 2 * k], view.even_ms)
             if blocks == 3:
                 state["taken"] = (cand, out[2 * k :])
+            elif record and net.structured_comm:  # every device, in order: each one's compute once it
+                # took the table, which is all `advance` needs (compute reads the device's own sum)
+                state["taken_compute"] = out[k : 2 * k, :, 0]
             table_enc = state["enc_p"][t].expand(k, -1)
         else:
             cf = cost_features(net.device_costs(s, cnt, max_sums=smax, task=task), view.even_ms)
@@ -189,7 +193,17 @@ class DreamShardAgent(_Estimating):
         state["cnt"] += oh
         state["U"] += oh[..., None] * state["enc_p"][t]
         if "Smax" not in state:
-            state["costs"] = self.costnet.device_costs(state["S"], state["cnt"])
+            taken = state.pop("taken_compute", None)
+            if taken is None:
+                state["costs"] = self.costnet.device_costs(state["S"], state["cnt"])
+                state["stale"] = False
+                return
+            # a structured-comm step over every device: only the compute column is read before
+            # `finish` (the next step recomputes every device's costs with the task's context)
+            rows = torch.arange(len(devices))
+            c = state["costs"][rows, devices, 0]
+            state["costs"][rows, devices, 0] = torch.where(placed, taken[rows, devices], c)
+            state["stale"] = True
             return
         rows = torch.arange(len(devices))
         s = state["S"][rows, devices]
@@ -206,7 +220,7 @@ class DreamShardAgent(_Estimating):
 
     def finish(self, view, state) -> None:
         """Every device's costs as of the end of the episode (a lazy state kept only some)."""
-        if "Smax" in state:
+        if "Smax" in state or state.pop("stale", False):
             state["costs"] = self.costnet.device_costs(state["S"], state["cnt"])
 
     def estimate(self, view, state):
