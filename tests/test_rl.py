@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ from embshard import InfeasibleError, InputError, Table, Task, validate
 from embshard.costs.analytic import AnalyticCostModel
 from embshard.search.baselines import GreedySharder, RandomSharder
 from embshard.search.rl.checkpoint import load_checkpoint, save_checkpoint
-from embshard.search.rl.env import best_plan, rollout
+from embshard.search.rl.env import best_plan, plan_candidates, rollout
 from embshard.search.rl.losses import masked_log_softmax, vtrace
 from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
 from embshard.search.rl.stage import make_agent, switches_of, train_agent
@@ -413,3 +414,47 @@ def test_column_split_cuts_only_the_tables_that_set_the_bottleneck(trained, algo
     assert [t.dim for t in sharder.column_slices(sharder.load(), task).task.tables if t.name != "heavy"][-2:] == [32, 32]
     with pytest.raises(InputError, match="split_above must be > 0"):
         SHARDERS[algorithm](checkpoint=path, split_columns=True, split_above=0)
+
+
+@pytest.mark.parametrize("algorithm", ["dreamshard", "autoshard"])
+def test_judge_samples_keeps_the_sampled_plan_the_judge_estimates_lowest(trained, algorithm):
+    """judge_samples: of the argmax and the sampled plans, the one NeuroShard's cost models
+    estimate lowest is kept (not the policy network's pick), and report info says which;
+    without a judge or without samples the policy's own best-of-K stands."""
+    ckpt = str(ROOT / "checkpoints" / "cpu_fbgemm" / "cost_models.pt")
+    path = str(trained[algorithm]["path"])
+    task = make_task(random_tables(np.random.default_rng(4), 14, "j"), 4, name="judge")
+    plans = []
+    for seed in range(6):
+        judged = SHARDERS[algorithm](checkpoint=path, samples=6, seed=seed, split_judge=ckpt, judge_samples=True)
+        plan = judged.shard(task)
+        validate(task, plan)
+        agent, judge = judged.load(), judged._judge_model()
+        cands = plan_candidates(agent, task, 6, generator=torch.Generator().manual_seed(seed))
+        costs = [judge.device_costs(task, p).plan_cost_ms for p, _ in cands]
+        assert len({p.signature() for p, _ in cands}) == len(cands)  # distinct plans
+        assert plan.signature() == cands[int(np.argmin(costs))][0].signature()
+        info = judged.last_search_info["judged_samples"]
+        assert info["plans"] == len(cands) and info["judged_ms"] == pytest.approx(min(costs))
+        assert info["network_pick_judged_ms"] == pytest.approx(costs[0])
+        own = SHARDERS[algorithm](checkpoint=path, samples=6, seed=seed, split_judge=ckpt)
+        assert own.shard(task).signature() == cands[0][0].signature()  # the network's best-of-K
+        assert "judged_samples" not in own.last_search_info
+        plans.append(len(cands))
+    assert max(plans) > 1  # sampling gave the judge a choice
+    # a judge that disagrees by construction (it prefers plans with shards on high devices):
+    # the plan kept is its pick, not the network's
+    class Contrary:
+        def device_costs(self, task, plan):
+            return SimpleNamespace(plan_cost_ms=-float(sum(s.device for s in plan.shards)))
+
+    seed = int(np.argmax(plans))
+    judged = SHARDERS[algorithm](checkpoint=path, samples=6, seed=seed, split_judge=ckpt, judge_samples=True)
+    judged._judge = Contrary()
+    cands = plan_candidates(judged.load(), task, 6, generator=torch.Generator().manual_seed(seed))
+    want = max(cands, key=lambda c: sum(s.device for s in c[0].shards))[0]
+    assert judged.shard(task).signature() == want.signature()
+    assert judged.last_search_info["judged_samples"]["pick"] == [p.signature() for p, _ in cands].index(want.signature())
+    argmax = SHARDERS[algorithm](checkpoint=path, samples=0, split_judge=ckpt, judge_samples=True)
+    argmax.shard(task)
+    assert "judged_samples" not in argmax.last_search_info

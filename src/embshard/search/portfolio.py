@@ -50,9 +50,9 @@ def default_members() -> dict[str, Sharder]:
     out: dict[str, Sharder] = {
         "neuroshard": NeuroShardSharder(verify=0),
         "dreamshard": DreamShardSharder("checkpoints/dreamshard_cpu/policy.pt", samples=8, split_columns=True,
-                                        split_judge=DEFAULT_CHECKPOINT),
+                                        split_judge=DEFAULT_CHECKPOINT, judge_samples=True),
         "autoshard": AutoShardSharder("checkpoints/autoshard_cpu/policy.pt", samples=8, split_columns=True,
-                                      split_judge=DEFAULT_CHECKPOINT),
+                                      split_judge=DEFAULT_CHECKPOINT, judge_samples=True),
     }
     out.update({name: make() for name, make in heuristic_sharders().items()})
     return out

@@ -301,3 +301,20 @@ def best_plan(agent: Agent, task: Task, samples: int, generator: torch.Generator
                 max_candidates=max_candidates)
     k = int(torch.argmin(r.estimated_ms))
     return r.plan(k, algorithm or agent.algorithm), float(r.estimated_ms[k])
+
+
+def plan_candidates(agent: Agent, task: Task, samples: int, generator: torch.Generator | None = None,
+                    algorithm: str | None = None, max_candidates: int | None = None) -> list[tuple[Plan, float]]:
+    """Every distinct plan of {argmax + `samples` sampled episodes} with the agent's estimate
+    (ms), the lowest estimate first (so the first is `best_plan`'s, from the same generator)."""
+    view = agent.prepare(task)
+    r = rollout(agent, view, 1 + samples, train=False, sample=samples > 0, argmax_first=True, generator=generator,
+                max_candidates=max_candidates)
+    out: list[tuple[Plan, float]] = []
+    seen: set[tuple] = set()
+    for k in torch.argsort(r.estimated_ms, stable=True).tolist():
+        plan = r.plan(k, algorithm or agent.algorithm)
+        if plan.signature() not in seen:
+            seen.add(plan.signature())
+            out.append((plan, float(r.estimated_ms[k])))
+    return out

@@ -17,6 +17,10 @@ places the slices as tables, slices that land on one device are merged, and the 
 lower, split or whole, is kept: by `split_judge`, a neural cost-model checkpoint (NeuroShard's,
 as conf/search sets it), or by the agent's own cost network when that is None. report.json's
 search info says which and by how much.
+
+With `judge_samples` (and a `split_judge` checkpoint), the judge also picks among the argmax
+and sampled plans (best-of-K by the judge's estimate, not the policy's own cost network),
+for the whole-table plan and the split one alike.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities
 from embshard.search.constrained import SLICE_MARK, Reduction, expand
 from embshard.search.rl.checkpoint import load_checkpoint, resolve_path
-from embshard.search.rl.env import best_plan
+from embshard.search.rl.env import best_plan, plan_candidates
 from embshard.tables import DIM_ALIGNMENT
 from embshard.task import Task
 
@@ -65,6 +69,8 @@ class RLSharder:
         split_judge: what decides between the split and the whole-table plan: None, the agent's
             own cost network; or a neural cost-model checkpoint (NeuroShard's, the portfolio's
             ranker), whose plan cost estimate decides instead.
+        judge_samples: the split_judge (when set) also picks among the argmax and sampled
+            plans instead of the agent's own cost network (module doc).
     """
 
     algorithm = "rl"
@@ -76,7 +82,8 @@ class RLSharder:
     def __init__(self, checkpoint: str | os.PathLike, samples: int = 0, sample_max_work: int | None = 200_000,
                  seed: int = 0, num_threads: int | None = 1, name: str | None = None,
                  max_candidates: int | None = 128, split_columns: bool = False, split_above: float = 1.0,
-                 split_max_work: int | None = 2_000_000, split_judge: str | os.PathLike | None = None):
+                 split_max_work: int | None = 2_000_000, split_judge: str | os.PathLike | None = None,
+                 judge_samples: bool = False):
         if int(samples) < 0:
             raise InputError(f"{self.algorithm}: samples must be >= 0, got {samples!r}")
         if not float(split_above) > 0:
@@ -85,6 +92,7 @@ class RLSharder:
         self.split_above = float(split_above)
         self.split_max_work = None if split_max_work is None else int(split_max_work)
         self.split_judge = None if split_judge in (None, "") else str(split_judge)
+        self.judge_samples = bool(judge_samples)
         self._judge: Any = None
         self.checkpoint = str(checkpoint)
         self.samples = int(samples)
@@ -119,9 +127,7 @@ class RLSharder:
         samples = self.samples_for(task)
         split: dict[str, Any] | None = None
         with torch_threads(self.num_threads), torch.inference_mode():  # no autograd bookkeeping per op
-            gen = torch.Generator().manual_seed(self.seed)
-            plan, estimate_ms = best_plan(agent, task, samples, generator=gen, algorithm=self.name,
-                                          max_candidates=self.max_candidates)
+            plan, estimate_ms, judged = self._best(agent, task, samples)
             if self.split_columns:
                 plan, estimate_ms, split = self._split_plan(agent, task, samples, plan, estimate_ms)
         validate(task, plan)
@@ -132,12 +138,37 @@ class RLSharder:
         # samples below samples_requested: the task was over sample_max_work (argmax only)
         self.last_search_info = {"checkpoint": str(resolve_path(self.checkpoint)), "samples": samples,
                                  "samples_requested": self.samples, "estimate": estimate}
+        if judged is not None:
+            self.last_search_info["judged_samples"] = judged
         if split is not None:
             self.last_search_info["column_split"] = split
         if samples < self.samples:
             log.info("%s: %s has %d tables x %d devices; argmax only (sample_max_work=%s)", self.name, task.name,
                      len(task.tables), task.num_devices, self.sample_max_work)
         return plan
+
+    def _judges_samples(self, samples: int) -> bool:
+        return self.judge_samples and self.split_judge is not None and samples > 0
+
+    def _best(self, agent: Any, task: Task, samples: int, reduction: Reduction | None = None,
+              original: Task | None = None) -> tuple[Plan, float, dict[str, Any] | None]:
+        """(plan, the agent's estimate of it, what the judge saw or None): best-of-K by the
+        agent's network, or by the judge (`judge_samples`). With a `reduction`, `task` is its
+        sliced task and the plan returned is expanded back to `original`."""
+        gen = torch.Generator().manual_seed(self.seed)
+        if not self._judges_samples(samples):
+            plan, est = best_plan(agent, task, samples, generator=gen, algorithm=self.name,
+                                  max_candidates=self.max_candidates)
+            return (plan if reduction is None else expand(original, reduction, plan, self.name)), est, None
+        cands = plan_candidates(agent, task, samples, generator=gen, algorithm=self.name,
+                                max_candidates=self.max_candidates)
+        if reduction is not None:
+            cands = [(expand(original, reduction, p, self.name), e) for p, e in cands]
+        judge = self._judge_model()
+        judged = [float(judge.device_costs(original or task, p).plan_cost_ms) for p, _ in cands]
+        i = min(range(len(cands)), key=judged.__getitem__)
+        info = {"plans": len(cands), "pick": i, "judged_ms": judged[i], "network_pick_judged_ms": judged[0]}
+        return cands[i][0], cands[i][1], info
 
     def column_slices(self, agent: Any, task: Task) -> Reduction | None:
         """The task with its costliest tables cut into column slices (module doc), as a
@@ -187,18 +218,16 @@ class RLSharder:
             info.update(chosen=False, skipped=too_big)
             return plan, estimate_ms, info
         try:
-            gen = torch.Generator().manual_seed(self.seed)
-            sliced, sliced_ms = best_plan(agent, reduction.task, samples, generator=gen, algorithm=self.name,
-                                          max_candidates=self.max_candidates)
+            split_plan, sliced_ms, judged = self._best(agent, reduction.task, samples, reduction, task)
         except InfeasibleError as e:  # slices pack no worse than whole tables; kept whole if not
             info.update(chosen=False, error=str(e).splitlines()[0])
             return plan, estimate_ms, info
         info["split_estimate_ms"] = float(sliced_ms)
+        if judged is not None:
+            info["judged_samples"] = judged
         if self.split_judge is None:
             info["chosen"] = bool(sliced_ms < estimate_ms)
-            split_plan = expand(task, reduction, sliced, self.name) if info["chosen"] else None
         else:
-            split_plan = expand(task, reduction, sliced, self.name)
             judge = self._judge_model()
             whole_j, split_j = (float(judge.device_costs(task, p).plan_cost_ms) for p in (plan, split_plan))
             info.update(judge=self.split_judge, whole_judged_ms=whole_j, split_judged_ms=split_j,
