@@ -291,14 +291,19 @@ def _place_candidates(agent: Agent, view: TaskView, state: dict[str, torch.Tenso
     return out
 
 
+def _planning_rollout(agent: Agent, task: Task, samples: int, generator: torch.Generator | None,
+                      max_candidates: int | None) -> Rollouts:
+    """The argmax episode and `samples` sampled ones of a plan search (episode 0 the argmax)."""
+    return rollout(agent, agent.prepare(task), 1 + samples, train=False, sample=samples > 0, argmax_first=True,
+                   generator=generator, max_candidates=max_candidates)
+
+
 def best_plan(agent: Agent, task: Task, samples: int, generator: torch.Generator | None = None,
               algorithm: str | None = None, max_candidates: int | None = None) -> tuple[Plan, float]:
     """Argmax plan (samples=0), or the one of {argmax + `samples` sampled episodes} with the
     lowest estimated cost. Returns (plan, its estimated cost in ms). `max_candidates`: see
     `rollout`."""
-    view = agent.prepare(task)
-    r = rollout(agent, view, 1 + samples, train=False, sample=samples > 0, argmax_first=True, generator=generator,
-                max_candidates=max_candidates)
+    r = _planning_rollout(agent, task, samples, generator, max_candidates)
     k = int(torch.argmin(r.estimated_ms))
     return r.plan(k, algorithm or agent.algorithm), float(r.estimated_ms[k])
 
@@ -307,9 +312,7 @@ def plan_candidates(agent: Agent, task: Task, samples: int, generator: torch.Gen
                     algorithm: str | None = None, max_candidates: int | None = None) -> list[tuple[Plan, float]]:
     """Every distinct plan of {argmax + `samples` sampled episodes} with the agent's estimate
     (ms), the lowest estimate first (so the first is `best_plan`'s, from the same generator)."""
-    view = agent.prepare(task)
-    r = rollout(agent, view, 1 + samples, train=False, sample=samples > 0, argmax_first=True, generator=generator,
-                max_candidates=max_candidates)
+    r = _planning_rollout(agent, task, samples, generator, max_candidates)
     out: list[tuple[Plan, float]] = []
     seen: set[tuple] = set()
     for k in torch.argsort(r.estimated_ms, stable=True).tolist():

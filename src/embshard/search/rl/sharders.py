@@ -129,7 +129,7 @@ class RLSharder:
         with torch_threads(self.num_threads), torch.inference_mode():  # no autograd bookkeeping per op
             plan, estimate_ms, judged = self._best(agent, task, samples)
             if self.split_columns:
-                plan, estimate_ms, split = self._split_plan(agent, task, samples, plan, estimate_ms)
+                plan, estimate_ms, split = self._split_plan(agent, task, samples, plan, estimate_ms, judged)
         validate(task, plan)
         self.last_search_seconds = time.perf_counter() - start
         estimate = self.trusted_estimate(task, plan, estimate_ms)
@@ -201,10 +201,12 @@ class RLSharder:
             return None
         return Reduction(dataclasses.replace(task, tables=tuple(kept)), slices=slices)
 
-    def _split_plan(self, agent: Any, task: Task, samples: int, plan: Plan, estimate_ms: float
-                    ) -> tuple[Plan, float, dict[str, Any]]:
+    def _split_plan(self, agent: Any, task: Task, samples: int, plan: Plan, estimate_ms: float,
+                    whole_judged: dict[str, Any] | None = None) -> tuple[Plan, float, dict[str, Any]]:
         """(plan, the agent's estimate of it, what was tried): the whole-table plan, or the
-        column-split one where the judge (`split_judge`, else the agent's network) estimates it lower."""
+        column-split one where the judge (`split_judge`, else the agent's network) estimates it lower.
+        `whole_judged`: what the judge saw when it picked the whole-table plan (`_best`), whose
+        judged cost is then not computed again."""
         too_big = self._over_split_work(len(task.tables), task.num_devices)  # slices only add tables
         if too_big:
             return plan, estimate_ms, {"tables": [], "chosen": False, "skipped": too_big}
@@ -229,7 +231,8 @@ class RLSharder:
             info["chosen"] = bool(sliced_ms < estimate_ms)
         else:
             judge = self._judge_model()
-            whole_j, split_j = (float(judge.device_costs(task, p).plan_cost_ms) for p in (plan, split_plan))
+            whole_j, split_j = (float(judge.device_costs(task, p).plan_cost_ms) if seen is None else seen["judged_ms"]
+                                for p, seen in ((plan, whole_judged), (split_plan, judged)))
             info.update(judge=self.split_judge, whole_judged_ms=whole_j, split_judged_ms=split_j,
                         chosen=bool(split_j < whole_j))
         if not info["chosen"]:
