@@ -269,12 +269,13 @@ planner-bench: $(STAMP)
 # 512-table synthetic pool that no checkpoint trained on (seed 2, split 50/25/25 %; the script
 # refuses a task holding a table any checkpoint was trained or tuned on), 6 settings of PE_TASKS
 # tasks (4 devices; 2 and 8 devices; 8-12 and 40-48 tables; no histograms; batch 8192 and 16384 in
-# turn), every algorithm including the portfolio, measured (NeuroShard's and the portfolio's guards
-# on), then per setting the ratio to the best heuristic with its bootstrap interval over tasks,
-# the gap to balance, and each aim met / not met / not resolved. About 12 hours here with
+# turn), every algorithm including the portfolio, measured (the guards of NeuroShard, the portfolio
+# and, since 2026-11-27, DreamShard on; each guarded planner's own plan is the <name>_pick row),
+# then per setting the ratio to the best heuristic with its bootstrap interval over tasks, the gap to balance, and each aim met / not met / not resolved. About 12 hours here with
 # PE_TASKS=24 (an estimate; the tiny check below, 1 task per setting, took 29 min). The tiny check:
 #   make portfolio-eval PE=/tmp/pe PE_TASKS=1 PE_MEASURE=quick \
-#     PE_EXTRA="searchers.neuroshard.verify_budget_s=10 searchers.portfolio.verify_budget_s=10"
+#     PE_EXTRA="searchers.neuroshard.verify_budget_s=10 searchers.portfolio.verify_budget_s=10 \
+#       searchers.dreamshard.verify_budget_s=10 searchers.autoshard.verify_budget_s=10"
 # In batches: PE_FIRST is the first task's index per setting (task i is the same in every batch),
 # PE_MORE the runs folders of earlier batches, whose tasks join the summary, e.g.
 #   make portfolio-eval PE=experiments/pe_b2 PE_TASKS=3 PE_FIRST=3 PE_MORE=experiments/pe_b1/runs
@@ -319,8 +320,12 @@ checkpoint-compare: $(STAMP)
 
 # DreamShard and AutoShard against the six heuristics on all 144 test tasks of the evaluation (24 per
 # setting; docs/portfolio.md, "24 tasks per setting"): portfolio-eval without NeuroShard and the
-# portfolio, whose guards make the full run 7 h; about 75 min here. Tasks 6-23 first (never measured
-# before), then 0-5, whose summary pools both.
+# portfolio, whose guards make the full run 7 h; about 75 min here before DreamShard and AutoShard had
+# guards of their own (since 2026-11-27 DreamShard measures its 3 best plans with the heuristics' under
+# evaluate=measured, a minute or two a task: row dreamshard guarded, dreamshard_pick the policy's own
+# plan; PE_EXTRA=searchers.dreamshard.verify=0 for the policy alone; AutoShard's guard is off by
+# default, searchers.autoshard.verify=auto turns it on). Tasks 6-23 first (never measured before),
+# then 0-5, whose summary pools both.
 RL_TEST ?= experiments/rl_test
 RL_TEST_ALGOS := [random,round_robin,size_greedy,dim_greedy,lookup_greedy,size_lookup_greedy,dreamshard,autoshard]
 

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from embshard import InfeasibleError, InputError, Table, Task, validate
 from embshard.costs.analytic import AnalyticCostModel
+from embshard.costs.base import DeviceCosts
 from embshard.search.baselines import GreedySharder, RandomSharder
 from embshard.search.rl.checkpoint import load_checkpoint, save_checkpoint
 from embshard.search.rl.env import best_plan, plan_candidates, rollout
@@ -458,3 +459,71 @@ def test_judge_samples_keeps_the_sampled_plan_the_judge_estimates_lowest(trained
     argmax = SHARDERS[algorithm](checkpoint=path, samples=0, split_judge=ckpt, judge_samples=True)
     argmax.shard(task)
     assert "judged_samples" not in argmax.last_search_info
+
+
+class ByPlan:
+    """Measured costs by plan signature (the guard labels candidates, not their plans), a
+    `default` for every other plan; records what each round measured."""
+
+    def __init__(self, costs: dict[tuple, float], default: float):
+        self.costs, self.default = costs, default
+        self.rounds: list[int] = []
+
+    def measure_many(self, task, plans, visits=None):
+        self.rounds.append(len(plans))
+        jitter = 1.0 + 0.002 * (len(self.rounds) % 3)  # paired noise, so the interval has a width
+        return [DeviceCosts([self.costs.get(p.signature(), self.default) * jitter], [0.0], [0.0]) for p in plans]
+
+
+@pytest.mark.parametrize("algorithm", ["dreamshard", "autoshard"])
+def test_guard_keeps_a_measured_better_plan_of_the_policy_else_the_best_heuristic(trained, algorithm):
+    """verify=K: the policy's K best distinct plans (its pick first) are measured with the
+    heuristics' plans; the measured best of them is kept where shown better than the best
+    heuristic's, else that heuristic's plan is, with the agent's estimate of the plan kept."""
+    ckpt = str(ROOT / "checkpoints" / "cpu_fbgemm" / "cost_models.pt")
+    path = str(trained[algorithm]["path"])
+    task = make_task(random_tables(np.random.default_rng(4), 14, "g"), 4, name="guarded")
+
+    def sharder(**kw):
+        return SHARDERS[algorithm](checkpoint=path, samples=6, seed=1, split_judge=ckpt, judge_samples=True,
+                                   verify_heuristics=["size_greedy", "lookup_greedy"], verify_min_rounds=3,
+                                   verify_max_rounds=6, **kw)
+
+    plain = sharder()
+    pick = plain.shard(task)
+    assert plain.last_guard is None and plain.verify_count == 0  # verify=0 (the class default): no guard
+    auto = sharder(verify="auto")
+    assert auto.shard(task).signature() == pick.signature() and auto.last_guard is None  # auto, no hardware
+    with pytest.raises(InputError, match="verify > 0 needs a hardware evaluator"):
+        sharder(verify=2).shard(task)
+    with pytest.raises(InputError, match="verify must be 'auto' or an integer >= 0"):
+        sharder(verify=-1)
+
+    cands = plain.guard_candidates(task, pick, 3)  # what it weighed: the guarded run weighs the same
+    guarded = sharder(verify=3)
+    assert cands[0].signature() == pick.signature() and len({p.signature() for p in cands}) == len(cands) >= 2
+    heuristics = {h: GreedySharder(h.split("_")[0]).shard(task) for h in ("size_greedy", "lookup_greedy")}
+    assert all(h.signature() not in {p.signature() for p in cands} for h in heuristics.values())
+
+    # the second candidate measures best and below every heuristic: it is kept
+    second = cands[1]
+    measurer = ByPlan({pick.signature(): 9.0, second.signature(): 6.0}, default=10.0)
+    guarded.attach_evaluator(measurer)
+    plan = guarded.shard(task)
+    validate(task, plan)
+    g = guarded.last_guard
+    assert plan.signature() == second.signature() and g.chosen == f"{algorithm}#2"
+    assert g.decision["verdict"] == "better" and g.decision["ratio"]["high"] < 1.0
+    assert measurer.rounds[0] == len(cands) + 2  # round 1: every candidate and both heuristics
+    assert guarded.last_search_pick.signature() == pick.signature()
+    assert [c["label"] for c in g.candidates][:len(cands)] == [f"{algorithm}#{i + 1}" for i in range(len(cands))]
+    assert all(c["predicted_ms"] > 0 for c in g.candidates)  # the judge's estimates
+
+    # every plan of the policy measures worse than the heuristics: the best heuristic's plan is kept
+    guarded.attach_evaluator(ByPlan({heuristics["lookup_greedy"].signature(): 8.0}, default=12.0))
+    plan = guarded.shard(task)
+    assert plan.signature() == heuristics["lookup_greedy"].signature() and plan.algorithm == algorithm
+    assert guarded.last_guard.chosen == "lookup_greedy" and guarded.last_guard.decision["verdict"] == "worse"
+    want = guarded.load().estimate_plan(task, plan)  # the agent's estimate of the plan it returns
+    assert guarded.last_stats["estimated_ms"] == pytest.approx(
+        guarded.trusted_estimate(task, plan, want)["ms"])

@@ -97,7 +97,8 @@ def plan(task: Task, algorithm: str | Any = "neuroshard", hardware: Any = None, 
         algorithm: a name of conf/searchers/all.yaml (neuroshard, dreamshard, autoshard,
             torchrec, the heuristics size_lookup_greedy, lookup_greedy, ...), or a Sharder.
         hardware: an evaluator (`embshard.api.hardware()`), for a searcher that measures its
-            candidates (NeuroShard's guard, `verify`); None: nothing is measured.
+            candidates (the measured guard of neuroshard, dreamshard, autoshard and the portfolio,
+            `verify`); None: nothing is measured.
         overrides: keys of the searcher's config (`checkpoint=`, `verify=`, `beam_width=` ...).
 
     Raises:
@@ -120,7 +121,8 @@ def plan(task: Task, algorithm: str | Any = "neuroshard", hardware: Any = None, 
     if hardware is not None:
         attach = getattr(sharder, "attach_evaluator", None)
         if not callable(attach):
-            raise InputError(f"{name} measures nothing while it searches; hardware= is for neuroshard's guard")
+            raise InputError(f"{name} measures nothing while it searches; hardware= is for the measured guards "
+                             "(neuroshard, dreamshard, autoshard, portfolio)")
         attach(hardware)
     result = shard_constrained(sharder, task)
     result.algorithm = name

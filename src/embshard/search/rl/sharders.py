@@ -21,6 +21,13 @@ search info says which and by how much.
 With `judge_samples` (and a `split_judge` checkpoint), the judge also picks among the argmax
 and sampled plans (best-of-K by the judge's estimate, not the policy's own cost network),
 for the whole-table plan and the split one alike.
+
+**Guard** (`verify`, with a hardware evaluator attached: `shard.py evaluate=measured`; "auto"
+is 3 then, 0 without): the planner's `verify` best distinct plans (its pick first, then the
+other whole-table and split plans it weighed, the judge's lowest estimates first) go to the
+measured guard (`embshard.search.guard`) with the heuristics' plans, as NeuroShard's do; its
+plan is kept only where measured better than the best heuristic's. report.json: `guard`, and the
+policy's own pick as `<name>_pick`.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -39,6 +46,7 @@ from embshard.hardware.protocol import torch_threads
 from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities
 from embshard.search.constrained import SLICE_MARK, Reduction, expand
+from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard
 from embshard.search.rl.checkpoint import load_checkpoint, resolve_path
 from embshard.search.rl.env import best_plan, plan_candidates
 from embshard.tables import DIM_ALIGNMENT
@@ -47,7 +55,7 @@ from embshard.task import Task
 log = logging.getLogger(__name__)
 
 
-class RLSharder:
+class RLSharder(GuardSlot):
     """A trained policy as a Sharder.
 
     Args:
@@ -71,6 +79,12 @@ class RLSharder:
             ranker), whose plan cost estimate decides instead.
         judge_samples: the split_judge (when set) also picks among the argmax and sampled
             plans instead of the agent's own cost network (module doc).
+        verify: the measured guard (module doc): measure this many of the planner's best
+            distinct plans with the heuristics' plans on the attached evaluator; "auto": 3
+            when an evaluator is attached, else 0.
+        verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
+            verify_max_rounds, verify_contenders, verify_margin, verify_interval: the guard's
+            settings, as NeuroShard's (`MeasuredGuard`).
     """
 
     algorithm = "rl"
@@ -83,9 +97,22 @@ class RLSharder:
                  seed: int = 0, num_threads: int | None = 1, name: str | None = None,
                  max_candidates: int | None = 128, split_columns: bool = False, split_above: float = 1.0,
                  split_max_work: int | None = 2_000_000, split_judge: str | os.PathLike | None = None,
-                 judge_samples: bool = False):
+                 judge_samples: bool = False, verify: int | str = 0,
+                 verify_heuristics: Sequence[str] = DEFAULT_HEURISTICS, verify_visits: int | None = None,
+                 verify_budget_s: float = 60.0, verify_min_rounds: int = 3, verify_max_rounds: int = 10,
+                 verify_contenders: int = 2, verify_margin: float = 0.1, verify_interval: str = "bootstrap"):
         if int(samples) < 0:
             raise InputError(f"{self.algorithm}: samples must be >= 0, got {samples!r}")
+        if verify != "auto" and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
+            raise InputError(f"{self.algorithm}: verify must be 'auto' or an integer >= 0, got {verify!r}")
+        self.verify = verify
+        self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
+                                   verify_max_rounds, verify_contenders, verify_margin,
+                                   owner=name or self.algorithm, interval=verify_interval)
+        self.evaluator: Any = None
+        self.last_guard: GuardResult | None = None
+        self.last_search_pick: Plan | None = None
+        self._weighed: list[tuple[Plan, float, float | None]] = []
         if not float(split_above) > 0:
             raise InputError(f"{self.algorithm}: split_above must be > 0, got {split_above!r}")
         self.split_columns = bool(split_columns)
@@ -126,11 +153,20 @@ class RLSharder:
         start = time.perf_counter()
         samples = self.samples_for(task)
         split: dict[str, Any] | None = None
+        k = self.verify_count
+        if k > 0 and self.evaluator is None:
+            raise InputError(f"{self.name}: verify > 0 needs a hardware evaluator (shard.py evaluate=measured "
+                             f"attaches one; or set searchers.{self.name}.verify=0)")
+        self._weighed = []  # every plan weighed: (plan, the agent's estimate, the judge's or None)
         with torch_threads(self.num_threads), torch.inference_mode():  # no autograd bookkeeping per op
             plan, estimate_ms, judged = self._best(agent, task, samples)
             if self.split_columns:
                 plan, estimate_ms, split = self._split_plan(agent, task, samples, plan, estimate_ms, judged)
         validate(task, plan)
+        self.last_search_pick = plan
+        self.last_guard = None
+        if k > 0:
+            plan, estimate_ms = self._guard(agent, task, plan, estimate_ms, k)
         self.last_search_seconds = time.perf_counter() - start
         estimate = self.trusted_estimate(task, plan, estimate_ms)
         self.last_predicted_cost_ms = estimate["ms"]
@@ -147,6 +183,43 @@ class RLSharder:
                      len(task.tables), task.num_devices, self.sample_max_work)
         return plan
 
+    def guard_candidates(self, task: Task, pick: Plan, k: int) -> list[Plan]:
+        """The guard's candidates: the pick, then the other distinct plans weighed (whole-table
+        and split, argmax and sampled), the judge's lowest estimates first (the agent's where no
+        judge saw them), at most `k`."""
+        order = sorted(range(len(self._weighed)),
+                       key=lambda i: (self._weighed[i][2] is None,
+                                      self._weighed[i][1] if self._weighed[i][2] is None else self._weighed[i][2], i))
+        out, seen = [pick], {pick.signature()}
+        for i in order:
+            p = self._weighed[i][0]
+            if len(out) >= k:
+                break
+            if p.signature() not in seen:
+                seen.add(p.signature())
+                out.append(p)
+        return out
+
+    def _guard(self, agent: Any, task: Task, pick: Plan, estimate_ms: float, k: int) -> tuple[Plan, float]:
+        """The measured guard (module doc) on `guard_candidates`, labelled `<name>#1`, `<name>#2`,
+        ...; returns the plan kept and the agent's estimate of it."""
+        cands = self.guard_candidates(task, pick, k)
+        judge = self._judge_model() if self.split_judge is not None else None
+        plan, self.last_guard = self.guard.run(
+            task, [(f"{self.name}#{i + 1}", p) for i, p in enumerate(cands)], self.evaluator,
+            (lambda p: float(judge.device_costs(task, p).plan_cost_ms)) if judge is not None else (lambda p: None),
+            self.name)
+        validate(task, plan)
+        sig = plan.signature()
+        known = [est for p, est, _ in ((pick, estimate_ms, None), *self._weighed) if p.signature() == sig]
+        if known:
+            return plan, known[0]
+        # a heuristic's plan: the agent replays it as an episode (whole tables, one device each)
+        if len({s.table for s in plan.shards}) == len(plan.shards):
+            with torch_threads(self.num_threads):
+                return plan, agent.estimate_plan(task, plan)
+        return plan, float("nan")
+
     def _judges_samples(self, samples: int) -> bool:
         return self.judge_samples and self.split_judge is not None and samples > 0
 
@@ -159,13 +232,16 @@ class RLSharder:
         if not self._judges_samples(samples):
             plan, est = best_plan(agent, task, samples, generator=gen, algorithm=self.name,
                                   max_candidates=self.max_candidates)
-            return (plan if reduction is None else expand(original, reduction, plan, self.name)), est, None
+            plan = plan if reduction is None else expand(original, reduction, plan, self.name)
+            self._weighed.append((plan, float(est), None))
+            return plan, est, None
         cands = plan_candidates(agent, task, samples, generator=gen, algorithm=self.name,
                                 max_candidates=self.max_candidates)
         if reduction is not None:
             cands = [(expand(original, reduction, p, self.name), e) for p, e in cands]
         judge = self._judge_model()
         judged = [float(judge.device_costs(original or task, p).plan_cost_ms) for p, _ in cands]
+        self._weighed += [(p, float(e), j) for (p, e), j in zip(cands, judged)]
         i = min(range(len(cands)), key=judged.__getitem__)
         info = {"plans": len(cands), "pick": i, "judged_ms": judged[i], "network_pick_judged_ms": judged[0]}
         return cands[i][0], cands[i][1], info
@@ -267,6 +343,9 @@ class RLSharder:
         ref = costs.plan_cost_ms if self.algorithm == "dreamshard" else max(costs.compute_ms)
         where = (f"{len(task.tables)} tables, {task.num_devices} devices, batch {task.batch_size}; "
                  f"trained on {self._trained()}")
+        if not math.isfinite(network_ms):
+            return {"ms": float(ref), "of": of, "source": "analytic",
+                    "reason": "the guard kept a plan the policy did not place, which its cost network cannot replay"}
         outside = self._outside_training(task)
         if outside:
             return {"ms": float(ref), "of": of, "source": "analytic",
