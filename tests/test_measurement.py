@@ -300,6 +300,32 @@ def test_t_interval_guard_does_not_switch_on_noisy_rounds_that_merely_all_favour
         NeuroShardSharder(checkpoint=None, verify_interval="normal")
 
 
+def test_search_contenders_keep_the_plan_best_over_the_rounds_not_the_round_1_best():
+    """Two plans of the search: round 1 favours #2 (noise), every later round #1. By default the
+    guard fixes S on round 1 (#2); with verify_search_contenders=2 both stay in the paired rounds
+    and S is the one with the lowest mean over them (#1)."""
+    task = _guard_task()
+    plans = [Plan(task.name, f"neuroshard#{k + 1}", [Shard.whole(t, int(i == k + 2)) for i, t in enumerate(task.tables)])
+             for k in range(2)]
+    kept = {}
+    for contenders in (1, 2):
+        s = NeuroShardSharder(checkpoint=None, verify=2, verify_heuristics=["size_greedy"], verify_min_rounds=3,
+                              verify_max_rounds=6, verify_search_contenders=contenders)
+        ev = ScriptedEvaluator({"neuroshard#1": [9.5] + [8.0] * 5, "neuroshard#2": [9.0] * 6,
+                                "size_greedy": [10.0, 10.1, 10.0, 9.9, 10.0, 10.0]})
+        s.attach_evaluator(ev)
+        plan = s._guard(task, [(p, 1.0) for p in plans], 0.0)
+        g = s.last_guard
+        assert g.decision["verdict"] == "better" and g.decision["rounds"] == 3
+        assert g.decision["search_contenders"] == ["neuroshard#2", "neuroshard#1"][:contenders]
+        assert ev.calls[1] == ["neuroshard#2", "neuroshard#1"][:contenders] + ["size_greedy"]  # a paired round
+        kept[contenders] = (g.chosen, plan.shards)
+    assert kept[1] == ("neuroshard#2", plans[1].shards)
+    assert kept[2] == ("neuroshard#1", plans[0].shards)
+    with pytest.raises(InputError, match="verify_search_contenders must be >= 1"):
+        NeuroShardSharder(checkpoint=None, verify_search_contenders=0)
+
+
 def test_guard_budget_stops_measuring_and_keeps_the_heuristic():
     g, _, ev, _ = _run_guard([9.0] * 6, [10.0] * 6, verify_budget_s=0.0)
     assert len(ev.calls) == 1 and g.decision["verdict"] == "not resolved" and g.chosen == "size_greedy"

@@ -12,6 +12,11 @@ reach `max_rounds`, or the paired rounds pass `budget_s`. S is returned when the
 interval lies below 1; otherwise (worse, or not resolved) H's plan is: the guard never trades
 a known plan for a coin toss. `GuardResult` is what report.json's `guard` holds.
 
+With `search_contenders` > 1 (default 1: the rule above), S is not fixed by round 1: the
+candidates within `margin` of the round-1 best (`search_contenders` in all) stay in the paired
+rounds too, and after each round S is the one with the lowest mean over the rounds, as H is among
+the heuristics (one round cannot tell a planner's plans a few percent apart either).
+
 The interval (`interval`): "bootstrap" (the default, the one every measured evaluation so far
 ran with) or "t" (Student's t). Over 3 rounds a percentile bootstrap is about the rounds'
 range: two plans of equal cost pass for "better" whenever all 3 ratios fall below 1, 1 time
@@ -132,6 +137,9 @@ class MeasuredGuard:
             with the lowest mean over the rounds.
         interval: the interval of the verdict: "bootstrap" (percentile) or "t" (Student t).
         owner: the planner's name, for error messages.
+        search_contenders: the candidates that stay in the paired rounds: the round-1 best and
+            the next within `margin` of it (1: the round-1 best alone); S is the one with the
+            lowest mean over the rounds.
     """
 
     heuristics: Sequence[str] = DEFAULT_HEURISTICS
@@ -143,6 +151,7 @@ class MeasuredGuard:
     margin: float = 0.1
     owner: str = "guard"
     interval: str = "bootstrap"
+    search_contenders: int = 1
 
     def __post_init__(self) -> None:
         self.heuristics = tuple(self.heuristics)
@@ -160,6 +169,9 @@ class MeasuredGuard:
         if int(self.contenders) < 1 or not float(self.margin) >= 0:
             raise InputError(f"{self.owner}: need verify_contenders >= 1 and verify_margin >= 0, got "
                              f"{self.contenders!r}, {self.margin!r}")
+        if isinstance(self.search_contenders, bool) or int(self.search_contenders) < 1:
+            raise InputError(f"{self.owner}: verify_search_contenders must be >= 1, got {self.search_contenders!r}")
+        self.search_contenders = int(self.search_contenders)
         if self.interval not in INTERVAL_METHODS:
             raise InputError(f"{self.owner}: verify_interval must be one of {list(INTERVAL_METHODS)}, got "
                              f"{self.interval!r}")
@@ -202,6 +214,13 @@ class MeasuredGuard:
         search_ids = [i for i, (_, src, _) in enumerate(labelled) if src == "search"]
         heur_ids = [i for i, (_, src, _) in enumerate(labelled) if src == "heuristic"]
         s = min(search_ids, key=lambda i: (rows[i]["measured_ms"], i))
+        # the search candidates that stay: distinct plans within the margin of the round-1 best
+        searchers: list[int] = []
+        for i in sorted(search_ids, key=lambda i: (rows[i]["measured_ms"], i)):
+            if len(searchers) == self.search_contenders or rows[i]["measured_ms"] > (1 + self.margin) * rows[s]["measured_ms"]:
+                break
+            if all(labelled[i][2].signature() != labelled[j][2].signature() for j in searchers):
+                searchers.append(i)
         rounds = [{labelled[i][0]: rows[i]["measured_ms"] for i in range(len(labelled))}]
         decision: dict[str, Any]
         if not heur_ids:
@@ -218,17 +237,22 @@ class MeasuredGuard:
                     if len(stay) == self.contenders or rows[i]["measured_ms"] > (1 + self.margin) * rows[h]["measured_ms"]:
                         break
                     sig = labelled[i][2].signature()
-                    if sig != labelled[s][2].signature() and all(sig != labelled[j][2].signature() for j in stay):
+                    if all(sig != labelled[j][2].signature() for j in (*searchers, *stay)):
                         stay.append(i)
                 stay = stay or [h]
 
                 label = {i: labelled[i][0] for i in stay}
                 by_index = [label[i] for i in sorted(stay)]  # ties between contenders: the first listed
 
+                def search_best() -> int:  # S: the search contender with the lowest mean over the rounds
+                    return min(searchers, key=lambda i: (float(np.mean([r[labelled[i][0]] for r in rounds])), i))
+
                 outcome = decide(rounds, labelled[s][0], by_index, self.min_rounds, self.interval)  # round 1 alone
                 while len(rounds) < self.max_rounds and time.perf_counter() < deadline:
-                    costs = evaluator.measure_many(task, [labelled[i][2] for i in (s, *stay)], visits=self.visits)
-                    rounds.append({labelled[i][0]: c.plan_cost_ms for i, c in zip((s, *stay), costs)})
+                    measured_now = (*searchers, *stay)
+                    costs = evaluator.measure_many(task, [labelled[i][2] for i in measured_now], visits=self.visits)
+                    rounds.append({labelled[i][0]: c.plan_cost_ms for i, c in zip(measured_now, costs)})
+                    s = search_best()
                     outcome = decide(rounds, labelled[s][0], by_index, self.min_rounds, self.interval)
                     if outcome[0] != "not resolved":
                         break
@@ -237,6 +261,7 @@ class MeasuredGuard:
                 best = s if verdict == "better" else h
                 decision = {"verdict": verdict, "kept": labelled[best][0], "search": labelled[s][0],
                             "heuristic": labelled[h][0], "contenders": [labelled[i][0] for i in stay],
+                            "search_contenders": [labelled[i][0] for i in searchers],
                             "ratio": summary.to_dict(), "interval": self.interval, "rounds": len(rounds),
                             "budget_s": self.budget_s}
         seconds = time.perf_counter() - t0

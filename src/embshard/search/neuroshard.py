@@ -297,6 +297,9 @@ class NeuroShardSharder(GuardSlot):
             and the next within the margin of it, `verify_contenders` in all (`MeasuredGuard`).
         verify_interval: the interval of the guard's verdict: "bootstrap" (percentile; every
             measured evaluation so far) or "t" (Student t: holds its 95% over a few rounds).
+        verify_search_contenders: the search's plans that stay in the guard's paired rounds
+            (the round-1 best and the next within verify_margin), S the lowest mean over the
+            rounds; 1: the round-1 best alone (`MeasuredGuard.search_contenders`).
         max_candidates: per placement, re-predict at most this many allowed devices (those
             whose shard is predicted cheapest now); None: all (`GreedyPartitioner`).
         grid_max_work: thin the caps on tasks over this many pieces × devices × caps (None: never).
@@ -331,6 +334,7 @@ class NeuroShardSharder(GuardSlot):
         verify_contenders: int = 2,
         verify_margin: float = 0.1,
         verify_interval: str = "bootstrap",
+        verify_search_contenders: int = 1,
         max_candidates: int | None = MAX_CANDIDATE_DEVICES,
         grid_max_work: int | None = GRID_MAX_WORK,
         trace_histograms: str = "replay",
@@ -351,7 +355,8 @@ class NeuroShardSharder(GuardSlot):
         #: the measured guard (its settings are checked here, before any search)
         self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
                                    verify_max_rounds, verify_contenders, verify_margin,
-                                   owner="neuroshard", interval=verify_interval)
+                                   owner="neuroshard", interval=verify_interval,
+                                   search_contenders=verify_search_contenders)
         self.checkpoint = None if checkpoint in (None, "") else str(checkpoint)
         self.beam_width = int(beam_width)
         self.beam_steps = int(beam_steps)

@@ -72,8 +72,8 @@ class PortfolioSharder(GuardSlot):
             members that are not the guard's heuristics with the guard (which measures the
             heuristics' plans anyway); "auto": 3 when an evaluator is attached, else 0.
         verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
-            verify_max_rounds, verify_contenders, verify_margin, verify_interval: the guard's
-            settings (`MeasuredGuard`).
+            verify_max_rounds, verify_contenders, verify_margin, verify_interval,
+            verify_search_contenders: the guard's settings (`MeasuredGuard`).
         name: the algorithm name of the plans.
     """
 
@@ -93,6 +93,7 @@ class PortfolioSharder(GuardSlot):
         verify_contenders: int = 2,
         verify_margin: float = 0.1,
         verify_interval: str = "bootstrap",
+        verify_search_contenders: int = 1,
         name: str = "portfolio",
     ):
         if verify != "auto" and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
@@ -107,7 +108,8 @@ class PortfolioSharder(GuardSlot):
         self.verify = verify
         self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
                                    verify_max_rounds, verify_contenders, verify_margin,
-                                   owner=name, interval=verify_interval)
+                                   owner=name, interval=verify_interval,
+                                   search_contenders=verify_search_contenders)
         self.name = name
         self.evaluator: Any = None
         self._ranker: tuple[CostModel, dict[str, Any]] | None = None

@@ -83,8 +83,8 @@ class RLSharder(GuardSlot):
             distinct plans with the heuristics' plans on the attached evaluator; "auto": 3
             when an evaluator is attached, else 0.
         verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
-            verify_max_rounds, verify_contenders, verify_margin, verify_interval: the guard's
-            settings, as NeuroShard's (`MeasuredGuard`).
+            verify_max_rounds, verify_contenders, verify_margin, verify_interval,
+            verify_search_contenders: the guard's settings, as NeuroShard's (`MeasuredGuard`).
     """
 
     algorithm = "rl"
@@ -100,7 +100,8 @@ class RLSharder(GuardSlot):
                  judge_samples: bool = False, verify: int | str = 0,
                  verify_heuristics: Sequence[str] = DEFAULT_HEURISTICS, verify_visits: int | None = None,
                  verify_budget_s: float = 60.0, verify_min_rounds: int = 3, verify_max_rounds: int = 10,
-                 verify_contenders: int = 2, verify_margin: float = 0.1, verify_interval: str = "bootstrap"):
+                 verify_contenders: int = 2, verify_margin: float = 0.1, verify_interval: str = "bootstrap",
+                 verify_search_contenders: int = 1):
         if int(samples) < 0:
             raise InputError(f"{self.algorithm}: samples must be >= 0, got {samples!r}")
         if verify != "auto" and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
@@ -108,7 +109,8 @@ class RLSharder(GuardSlot):
         self.verify = verify
         self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
                                    verify_max_rounds, verify_contenders, verify_margin,
-                                   owner=name or self.algorithm, interval=verify_interval)
+                                   owner=name or self.algorithm, interval=verify_interval,
+                                   search_contenders=verify_search_contenders)
         self.evaluator: Any = None
         self.last_guard: GuardResult | None = None
         self.last_search_pick: Plan | None = None
