@@ -87,6 +87,20 @@ class GuardSlot:
         """The hardware the guard measures on (`HardwareEvaluator`); None detaches it."""
         self.evaluator = evaluator
 
+    @staticmethod
+    def check_verify(verify: Any, owner: str) -> None:
+        """InputError unless `verify` is "auto" or an integer >= 0."""
+        if verify != "auto" and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
+            raise InputError(f"{owner}: verify must be 'auto' or an integer >= 0, got {verify!r}")
+
+    def guard_count(self, owner: str) -> int:
+        """`verify_count`, with an InputError where it is > 0 and no evaluator is attached."""
+        k = self.verify_count
+        if k > 0 and self.evaluator is None:
+            raise InputError(f"{owner}: verify > 0 needs a hardware evaluator (shard.py evaluate=measured "
+                             f"attaches one; or set searchers.{owner}.verify=0)")
+        return k
+
     @property
     def verify_count(self) -> int:
         """Plans of the search the guard measures: `verify`, or under 'auto' 3 with an

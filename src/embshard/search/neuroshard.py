@@ -348,8 +348,7 @@ class NeuroShardSharder(GuardSlot):
         caps = tuple(float(c) for c in caps)
         if not caps or any(not np.isfinite(c) or c <= 0 for c in caps):
             raise InputError(f"neuroshard: caps must be positive numbers, got {list(caps)}")
-        if verify != "auto" and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
-            raise InputError(f"neuroshard: verify must be 'auto' or an integer >= 0, got {verify!r}")
+        self.check_verify(verify, "neuroshard")
         if incremental not in (True, False, "auto"):
             raise InputError(f"neuroshard: incremental must be true, false or auto, got {incremental!r}")
         #: the measured guard (its settings are checked here, before any search)
@@ -445,11 +444,8 @@ class NeuroShardSharder(GuardSlot):
         plan = found[0][0]
         self.last_search_pick = plan
         self.last_guard = None
-        k = self.verify_count
+        k = self.guard_count("neuroshard")
         if k > 0:
-            if self.evaluator is None:
-                raise InputError("neuroshard: verify > 0 needs a hardware evaluator (shard.py evaluate=measured attaches "
-                                 "one; or set searchers.neuroshard.verify=0)")
             plan = self._guard(task, found[:k], start)
         self.last_search_seconds = time.perf_counter() - start
         # beam false: the task was over beam_max_work (table-wise grid and memory-forced splits only)

@@ -96,8 +96,7 @@ class PortfolioSharder(GuardSlot):
         verify_search_contenders: int = 1,
         name: str = "portfolio",
     ):
-        if verify != "auto" and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
-            raise InputError(f"{name}: verify must be 'auto' or an integer >= 0, got {verify!r}")
+        self.check_verify(verify, name)
         self.members: dict[str, Sharder] = dict(members) if members is not None else default_members()
         if not self.members:
             raise InputError(f"{name}: members must name at least one planner")
@@ -178,11 +177,8 @@ class PortfolioSharder(GuardSlot):
         self.last_search_pick = Plan(task.name, self.name, list(pick.shards))
         self.last_guard = None
         won, chosen, interval = pick_member, self.last_search_pick, None
-        k = self.verify_count
+        k = self.guard_count(self.name)
         if k > 0:
-            if self.evaluator is None:
-                raise InputError(f"{self.name}: verify > 0 needs a hardware evaluator (shard.py evaluate=measured "
-                                 f"attaches one; or set searchers.{self.name}.verify=0)")
             by_label = {m: p for m, p, _ in plans}
             # the guard measures its heuristics' plans anyway: its `verify` candidates are the
             # best-ranked plans of the other members (the learned planners), so a learned plan

@@ -104,8 +104,7 @@ class RLSharder(GuardSlot):
                  verify_search_contenders: int = 1):
         if int(samples) < 0:
             raise InputError(f"{self.algorithm}: samples must be >= 0, got {samples!r}")
-        if verify != "auto" and (isinstance(verify, bool) or not isinstance(verify, int) or verify < 0):
-            raise InputError(f"{self.algorithm}: verify must be 'auto' or an integer >= 0, got {verify!r}")
+        self.check_verify(verify, self.algorithm)
         self.verify = verify
         self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
                                    verify_max_rounds, verify_contenders, verify_margin,
@@ -155,10 +154,7 @@ class RLSharder(GuardSlot):
         start = time.perf_counter()
         samples = self.samples_for(task)
         split: dict[str, Any] | None = None
-        k = self.verify_count
-        if k > 0 and self.evaluator is None:
-            raise InputError(f"{self.name}: verify > 0 needs a hardware evaluator (shard.py evaluate=measured "
-                             f"attaches one; or set searchers.{self.name}.verify=0)")
+        k = self.guard_count(self.name)
         self._weighed = []  # every plan weighed: (plan, the agent's estimate, the judge's or None)
         with torch_threads(self.num_threads), torch.inference_mode():  # no autograd bookkeeping per op
             plan, estimate_ms, judged = self._best(agent, task, samples)
