@@ -499,7 +499,7 @@ def test_guard_keeps_a_measured_better_plan_of_the_policy_else_the_best_heuristi
     with pytest.raises(InputError, match="verify must be 'auto' or an integer >= 0"):
         sharder(verify=-1)
 
-    cands = plain.guard_candidates(task, pick, 3)  # what it weighed: the guarded run weighs the same
+    cands = plain.guard_candidates(pick, plain.last_weighed, 3)  # what it weighed: the guarded run weighs the same
     guarded = sharder(verify=3)
     assert cands[0].signature() == pick.signature() and len({p.signature() for p in cands}) == len(cands) >= 2
     heuristics = {h: GreedySharder(h.split("_")[0]).shard(task) for h in ("size_greedy", "lookup_greedy")}

@@ -54,6 +54,9 @@ from embshard.task import Task
 
 log = logging.getLogger(__name__)
 
+#: a plan the search weighed: (plan, the agent's estimate of it, the judge's or None)
+Weighed = tuple[Plan, float, float | None]
+
 
 class RLSharder(GuardSlot):
     """A trained policy as a Sharder.
@@ -113,7 +116,8 @@ class RLSharder(GuardSlot):
         self.evaluator: Any = None
         self.last_guard: GuardResult | None = None
         self.last_search_pick: Plan | None = None
-        self._weighed: list[tuple[Plan, float, float | None]] = []
+        #: every plan the last `shard` weighed: (plan, the agent's estimate, the judge's or None)
+        self.last_weighed: list[Weighed] = []
         if not float(split_above) > 0:
             raise InputError(f"{self.algorithm}: split_above must be > 0, got {split_above!r}")
         self.split_columns = bool(split_columns)
@@ -155,16 +159,17 @@ class RLSharder(GuardSlot):
         samples = self.samples_for(task)
         split: dict[str, Any] | None = None
         k = self.guard_count(self.name)
-        self._weighed = []  # every plan weighed: (plan, the agent's estimate, the judge's or None)
+        weighed: list[Weighed] = []  # every plan weighed, filled by _best
         with torch_threads(self.num_threads), torch.inference_mode():  # no autograd bookkeeping per op
-            plan, estimate_ms, judged = self._best(agent, task, samples)
+            plan, estimate_ms, judged = self._best(agent, task, samples, weighed)
             if self.split_columns:
-                plan, estimate_ms, split = self._split_plan(agent, task, samples, plan, estimate_ms, judged)
+                plan, estimate_ms, split = self._split_plan(agent, task, samples, weighed, plan, estimate_ms, judged)
         validate(task, plan)
         self.last_search_pick = plan
         self.last_guard = None
+        self.last_weighed = weighed
         if k > 0:
-            plan, estimate_ms = self._guard(agent, task, plan, estimate_ms, k)
+            plan, estimate_ms = self._guard(agent, task, plan, estimate_ms, weighed, k)
         self.last_search_seconds = time.perf_counter() - start
         estimate = self.trusted_estimate(task, plan, estimate_ms)
         self.last_predicted_cost_ms = estimate["ms"]
@@ -181,16 +186,16 @@ class RLSharder(GuardSlot):
                      len(task.tables), task.num_devices, self.sample_max_work)
         return plan
 
-    def guard_candidates(self, task: Task, pick: Plan, k: int) -> list[Plan]:
+    @staticmethod
+    def guard_candidates(pick: Plan, weighed: Sequence[Weighed], k: int) -> list[Plan]:
         """The guard's candidates: the pick, then the other distinct plans weighed (whole-table
         and split, argmax and sampled), the judge's lowest estimates first (the agent's where no
         judge saw them), at most `k`."""
-        order = sorted(range(len(self._weighed)),
-                       key=lambda i: (self._weighed[i][2] is None,
-                                      self._weighed[i][1] if self._weighed[i][2] is None else self._weighed[i][2], i))
+        order = sorted(range(len(weighed)),
+                       key=lambda i: (weighed[i][2] is None, weighed[i][1] if weighed[i][2] is None else weighed[i][2], i))
         out, seen = [pick], {pick.signature()}
         for i in order:
-            p = self._weighed[i][0]
+            p = weighed[i][0]
             if len(out) >= k:
                 break
             if p.signature() not in seen:
@@ -198,10 +203,11 @@ class RLSharder(GuardSlot):
                 out.append(p)
         return out
 
-    def _guard(self, agent: Any, task: Task, pick: Plan, estimate_ms: float, k: int) -> tuple[Plan, float]:
+    def _guard(self, agent: Any, task: Task, pick: Plan, estimate_ms: float, weighed: Sequence[Weighed],
+               k: int) -> tuple[Plan, float]:
         """The measured guard (module doc) on `guard_candidates`, labelled `<name>#1`, `<name>#2`,
         ...; returns the plan kept and the agent's estimate of it."""
-        cands = self.guard_candidates(task, pick, k)
+        cands = self.guard_candidates(pick, weighed, k)
         judge = self._judge_model() if self.split_judge is not None else None
         plan, self.last_guard = self.guard.run(
             task, [(f"{self.name}#{i + 1}", p) for i, p in enumerate(cands)], self.evaluator,
@@ -209,7 +215,7 @@ class RLSharder(GuardSlot):
             self.name)
         validate(task, plan)
         sig = plan.signature()
-        known = [est for p, est, _ in ((pick, estimate_ms, None), *self._weighed) if p.signature() == sig]
+        known = [est for p, est, _ in ((pick, estimate_ms, None), *weighed) if p.signature() == sig]
         if known:
             return plan, known[0]
         # a heuristic's plan: the agent replays it as an episode (whole tables, one device each)
@@ -221,17 +227,18 @@ class RLSharder(GuardSlot):
     def _judges_samples(self, samples: int) -> bool:
         return self.judge_samples and self.split_judge is not None and samples > 0
 
-    def _best(self, agent: Any, task: Task, samples: int, reduction: Reduction | None = None,
+    def _best(self, agent: Any, task: Task, samples: int, weighed: list[Weighed], reduction: Reduction | None = None,
               original: Task | None = None) -> tuple[Plan, float, dict[str, Any] | None]:
         """(plan, the agent's estimate of it, what the judge saw or None): best-of-K by the
         agent's network, or by the judge (`judge_samples`). With a `reduction`, `task` is its
-        sliced task and the plan returned is expanded back to `original`."""
+        sliced task and the plan returned is expanded back to `original`. Every plan weighed
+        is appended to `weighed`."""
         gen = torch.Generator().manual_seed(self.seed)
         if not self._judges_samples(samples):
             plan, est = best_plan(agent, task, samples, generator=gen, algorithm=self.name,
                                   max_candidates=self.max_candidates)
             plan = plan if reduction is None else expand(original, reduction, plan, self.name)
-            self._weighed.append((plan, float(est), None))
+            weighed.append((plan, float(est), None))
             return plan, est, None
         cands = plan_candidates(agent, task, samples, generator=gen, algorithm=self.name,
                                 max_candidates=self.max_candidates)
@@ -239,7 +246,7 @@ class RLSharder(GuardSlot):
             cands = [(expand(original, reduction, p, self.name), e) for p, e in cands]
         judge = self._judge_model()
         judged = [float(judge.device_costs(original or task, p).plan_cost_ms) for p, _ in cands]
-        self._weighed += [(p, float(e), j) for (p, e), j in zip(cands, judged)]
+        weighed += [(p, float(e), j) for (p, e), j in zip(cands, judged)]
         i = min(range(len(cands)), key=judged.__getitem__)
         info = {"plans": len(cands), "pick": i, "judged_ms": judged[i], "network_pick_judged_ms": judged[0]}
         return cands[i][0], cands[i][1], info
@@ -275,7 +282,7 @@ class RLSharder(GuardSlot):
             return None
         return Reduction(dataclasses.replace(task, tables=tuple(kept)), slices=slices)
 
-    def _split_plan(self, agent: Any, task: Task, samples: int, plan: Plan, estimate_ms: float,
+    def _split_plan(self, agent: Any, task: Task, samples: int, weighed: list[Weighed], plan: Plan, estimate_ms: float,
                     whole_judged: dict[str, Any] | None = None) -> tuple[Plan, float, dict[str, Any]]:
         """(plan, the agent's estimate of it, what was tried): the whole-table plan, or the
         column-split one where the judge (`split_judge`, else the agent's network) estimates it lower.
@@ -294,7 +301,7 @@ class RLSharder(GuardSlot):
             info.update(chosen=False, skipped=too_big)
             return plan, estimate_ms, info
         try:
-            split_plan, sliced_ms, judged = self._best(agent, reduction.task, samples, reduction, task)
+            split_plan, sliced_ms, judged = self._best(agent, reduction.task, samples, weighed, reduction, task)
         except InfeasibleError as e:  # slices pack no worse than whole tables; kept whole if not
             info.update(chosen=False, error=str(e).splitlines()[0])
             return plan, estimate_ms, info
