@@ -196,6 +196,8 @@ RL_DS_REPLAY := rl.replay=checkpoints/dreamshard_cpu/measured_plans.jsonl $(RL_N
 RL_AS_REPLAY := rl.replay=checkpoints/autoshard_cpu/measured_plans.jsonl $(RL_NO_HW)
 RL_ONE_OFF := encode_table=false mask=room reward_comm=false rollouts_per_task=1
 RL_ABL_ALGOS := [size_lookup_greedy,lookup_greedy,dreamshard,dreamshard_argmax,dreamshard_faithful,ds_encode_table_false,ds_mask_room,ds_reward_comm_false,ds_rollouts_per_task_1,autoshard,autoshard_argmax,autoshard_faithful]
+# the policies alone: the measured guards of DreamShard and AutoShard (on under evaluate=measured) off
+RL_ABL_NAMES := $(filter-out size_lookup_greedy lookup_greedy,$(subst $(comma), ,$(patsubst [%],%,$(RL_ABL_ALGOS))))
 RL_DS := checkpoints/dreamshard_cpu/policy.pt
 RL_AS := checkpoints/autoshard_cpu/policy.pt
 rl-ablation: $(STAMP)
@@ -218,6 +220,7 @@ rl-ablation: $(STAMP)
 		+search@searchers.autoshard_faithful=autoshard searchers.autoshard_faithful.samples=0 \
 		searchers.autoshard_faithful.checkpoint=$(RL_ABL)/autoshard_faithful/policy.pt \
 		$(foreach v,$(RL_ONE_OFF),+search@searchers.ds_$(subst =,_,$(v))=dreamshard searchers.ds_$(subst =,_,$(v)).checkpoint=$(RL_ABL)/ds_$(subst =,_,$(v))/policy.pt) \
+		$(foreach a,$(RL_ABL_NAMES),searchers.$(a).verify=0) \
 		out_dir=$(RL_ABL)/runs/20-30x4
 	$(PY) scripts/rl_eval.py summarize $(RL_ABL)/runs --out docs/rl --name ablation
 
@@ -270,7 +273,8 @@ planner-bench: $(STAMP)
 # refuses a task holding a table any checkpoint was trained or tuned on), 6 settings of PE_TASKS
 # tasks (4 devices; 2 and 8 devices; 8-12 and 40-48 tables; no histograms; batch 8192 and 16384 in
 # turn), every algorithm including the portfolio, measured (the guards of NeuroShard, the portfolio
-# and, since 2026-11-27, DreamShard on; each guarded planner's own plan is the <name>_pick row),
+# and, since 2026-11-27, DreamShard and AutoShard on; each guarded planner's own plan is the
+# <name>_pick row),
 # then per setting the ratio to the best heuristic with its bootstrap interval over tasks, the gap to balance, and each aim met / not met / not resolved. About 12 hours here with
 # PE_TASKS=24 (an estimate; the tiny check below, 1 task per setting, took 29 min). The tiny check:
 #   make portfolio-eval PE=/tmp/pe PE_TASKS=1 PE_MEASURE=quick \
@@ -322,9 +326,9 @@ checkpoint-compare: $(STAMP)
 # setting; docs/portfolio.md, "24 tasks per setting"): portfolio-eval without NeuroShard and the
 # portfolio, whose guards make the full run 7 h; about 75 min here before DreamShard and AutoShard had
 # guards of their own (since 2026-11-27 DreamShard measures its 3 best plans with the heuristics' under
-# evaluate=measured, a minute or two a task: row dreamshard guarded, dreamshard_pick the policy's own
-# plan; PE_EXTRA=searchers.dreamshard.verify=0 for the policy alone; AutoShard's guard is off by
-# default, searchers.autoshard.verify=auto turns it on). Tasks 6-23 first (never measured before),
+# evaluate=measured, a minute or two a task, and AutoShard too: rows dreamshard and autoshard guarded,
+# dreamshard_pick and autoshard_pick the policies' own plans; PE_EXTRA="searchers.dreamshard.verify=0
+# searchers.autoshard.verify=0" for the policies alone). Tasks 6-23 first (never measured before),
 # then 0-5, whose summary pools both.
 RL_TEST ?= experiments/rl_test
 RL_TEST_ALGOS := [random,round_robin,size_greedy,dim_greedy,lookup_greedy,size_lookup_greedy,dreamshard,autoshard]
