@@ -150,7 +150,10 @@ drift: $(STAMP)
 # on tasks of the train half of the 128-table pool at 4 devices (their plans measured on
 # FBGEMM's CPU kernel + gloo every iteration); evaluation tasks use only test tables, at 2/4/8
 # devices, at table counts outside the training range and without histograms. rl-checkpoints:
-# about 18 min for both here; rl-eval: about 45 min; rl-ablation: about 30 min more.
+# about 18 min for both here; rl-eval: about 45 min before DreamShard and AutoShard measured their
+# own plans under evaluate=measured (their guards, on since 2026-11-27, add a minute or two a task
+# each; searchers.dreamshard.verify=0 searchers.autoshard.verify=0 on its shard.py line for the old run);
+# rl-ablation: about 30 min more.
 RL := experiments/rl
 RL_RUNS := $(RL)/eval/runs
 RL_ALGOS := [random,round_robin,size_greedy,dim_greedy,lookup_greedy,size_lookup_greedy,torchrec,neuroshard,dreamshard,autoshard]
