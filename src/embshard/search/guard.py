@@ -227,33 +227,32 @@ class MeasuredGuard:
                          "spread_ms": c.plan_cost_spread_ms})
         search_ids = [i for i, (_, src, _) in enumerate(labelled) if src == "search"]
         heur_ids = [i for i, (_, src, _) in enumerate(labelled) if src == "heuristic"]
+
+        def within_margin(ids: Sequence[int], count: int, taken: Sequence[int] = ()) -> list[int]:
+            """Up to `count` distinct plans of `ids` (none the plan of one in `taken`) within the
+            margin of the round-1 best of `ids`, cheapest on round 1 first."""
+            by_cost = sorted(ids, key=lambda i: (rows[i]["measured_ms"], i))
+            out: list[int] = []
+            for i in by_cost:
+                if len(out) == count or rows[i]["measured_ms"] > (1 + self.margin) * rows[by_cost[0]]["measured_ms"]:
+                    break
+                if all(labelled[i][2].signature() != labelled[j][2].signature() for j in (*taken, *out)):
+                    out.append(i)
+            return out
+
         s = min(search_ids, key=lambda i: (rows[i]["measured_ms"], i))
-        # the search candidates that stay: distinct plans within the margin of the round-1 best
-        searchers: list[int] = []
-        for i in sorted(search_ids, key=lambda i: (rows[i]["measured_ms"], i)):
-            if len(searchers) == self.search_contenders or rows[i]["measured_ms"] > (1 + self.margin) * rows[s]["measured_ms"]:
-                break
-            if all(labelled[i][2].signature() != labelled[j][2].signature() for j in searchers):
-                searchers.append(i)
+        searchers = within_margin(search_ids, self.search_contenders)  # the search candidates that stay
         rounds = [{labelled[i][0]: rows[i]["measured_ms"] for i in range(len(labelled))}]
         decision: dict[str, Any]
         if not heur_ids:
             best, decision = s, {"verdict": "no heuristic plan", "kept": labelled[s][0]}
         else:
-            by_cost = sorted(heur_ids, key=lambda i: (rows[i]["measured_ms"], i))
-            h = by_cost[0]
+            h = min(heur_ids, key=lambda i: (rows[i]["measured_ms"], i))
             if labelled[s][2].signature() == labelled[h][2].signature():
                 best, decision = s, {"verdict": "same plan", "kept": labelled[s][0], "heuristic": labelled[h][0]}
             else:
-                # the heuristics that stay: distinct plans within the margin of the best one
-                stay: list[int] = []
-                for i in by_cost:
-                    if len(stay) == self.contenders or rows[i]["measured_ms"] > (1 + self.margin) * rows[h]["measured_ms"]:
-                        break
-                    sig = labelled[i][2].signature()
-                    if all(sig != labelled[j][2].signature() for j in (*searchers, *stay)):
-                        stay.append(i)
-                stay = stay or [h]
+                # the heuristics that stay (none the plan of a search candidate that stays)
+                stay = within_margin(heur_ids, self.contenders, searchers) or [h]
 
                 label = {i: labelled[i][0] for i in stay}
                 by_index = [label[i] for i in sorted(stay)]  # ties between contenders: the first listed
