@@ -144,6 +144,21 @@ def test_members_follow_the_searchers_overrides():
     assert p.members["dreamshard"].samples == 0
 
 
+def test_the_python_api_builds_the_portfolio_with_every_member_and_plans_with_it():
+    """api.plan / EmbShardPlanner take the portfolio by name, as shard.py does (its members come
+    from the other planners' configs, which it interpolates)."""
+    from embshard import api
+
+    p = api.searcher("portfolio", verify=0)
+    assert isinstance(p, PortfolioSharder) and isinstance(p.members["neuroshard"], NeuroShardSharder)
+    assert list(p.members) == ["neuroshard", "dreamshard", "autoshard", "size_lookup_greedy", "lookup_greedy",
+                               "dim_greedy", "size_greedy", "round_robin", "random"]
+    task = Task.load(ROOT / "examples" / "tasks" / "small.json")
+    plan = api.plan(task, "portfolio")
+    validate(task, plan)
+    assert plan.algorithm == "portfolio" and {s.table for s in plan.shards} == {t.name for t in task.tables}
+
+
 @pytest.mark.slow
 def test_portfolio_measured_on_real_kernels_returns_its_measured_best():
     """Every default member plans a tiny task, and the guard measures on FBGEMM's CPU kernel (a

@@ -58,6 +58,10 @@ def searcher(algorithm: str, seed: int = 0, **overrides: Any) -> Any:
         hint = f" (did you mean {near!r}?)" if near else ""
         raise InputError(f"unknown algorithm {algorithm!r}{hint}; known: {', '.join(known)}")
     root = _config("search", known[algorithm], seed=seed)
+    # the other planners' configs, as conf/searchers/all.yaml gives them to shard.py: a planner of
+    # planners (the portfolio) takes its members from them
+    root.searchers = {n: OmegaConf.load(CONF / "search" / f"{f}.yaml") for n, f in known.items()
+                      if f != known[algorithm]}
     node = root.node
     target = get_class(node._target_)
     params = set(inspect.signature(target).parameters) - {"self"}
