@@ -10,8 +10,9 @@ remaining tables unpackable, so a valid table-wise plan is not missed for want o
 
 from __future__ import annotations
 
+import heapq
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -49,14 +50,47 @@ class GreedySharder:
     def shard(self, task: Task) -> Plan:
         cost = COST_KEYS[self.key]
         ledger = MemoryLedger(task, pending=(task.table_memory_bytes(t) for t in task.tables))
+        # the devices by (running cost, most free memory, index) in a heap: the ledger usually
+        # takes the first, so a placement costs O(log devices), not a sort of every device
         running = [0.0] * task.num_devices
+        order = DeviceOrder([(0.0, -free, d) for d, free in enumerate(ledger.free)])
         shards = []
         for table in sorted(task.tables, key=lambda t: (-cost(t), t.name)):
-            preference = sorted(range(task.num_devices), key=lambda d: (running[d], -ledger.free[d], d))
-            device = ledger.place(table, ledger.need(table), preference)
+            device = ledger.place(table, ledger.need(table), order)
             running[device] += cost(table)
+            order.settle(device, (running[device], -ledger.free[device], device))
             shards.append(Shard.whole(table, device))
         return Plan(task.name, self.name, shards)
+
+
+class DeviceOrder:
+    """Devices in increasing order of their keys, iterated lazily: iterating pops devices off a
+    heap until the caller stops; `settle(device, key)` gives the device taken its new key and
+    puts back the others popped, their keys unchanged (only the device taken changed).
+
+    Args:
+        keys: one tuple per device, the device its last element (so no two keys tie).
+    """
+
+    def __init__(self, keys: list[tuple]):
+        self._heap = list(keys)
+        heapq.heapify(self._heap)
+        self._popped: list[tuple] = []
+
+    def __iter__(self) -> Iterator[int]:
+        while self._heap:
+            key = heapq.heappop(self._heap)
+            self._popped.append(key)
+            yield key[-1]
+
+    def settle(self, device: int, key: tuple) -> None:
+        if all(k[-1] != device for k in self._popped):
+            raise ValueError(f"device {device} was not taken from this order")
+        for k in self._popped:
+            if k[-1] != device:
+                heapq.heappush(self._heap, k)
+        self._popped.clear()
+        heapq.heappush(self._heap, key)
 
 
 class RandomSharder:
@@ -73,7 +107,7 @@ class RandomSharder:
         ledger = MemoryLedger(task, pending=(task.table_memory_bytes(t) for t in task.tables))
         shards = []
         for table in task.tables:
-            device = ledger.place(table, ledger.need(table), [int(d) for d in rng.permutation(task.num_devices)])
+            device = ledger.place(table, ledger.need(table), rng.permutation(task.num_devices).tolist())
             shards.append(Shard.whole(table, device))
         return Plan(task.name, self.name, shards)
 
@@ -91,7 +125,7 @@ class RoundRobinSharder:
         shards = []
         next_device = 0
         for table in task.tables:
-            order = [(next_device + k) % task.num_devices for k in range(task.num_devices)]
+            order = ((next_device + k) % task.num_devices for k in range(task.num_devices))  # lazily
             device = ledger.place(table, ledger.need(table), order)
             shards.append(Shard.whole(table, device))
             next_device = (device + 1) % task.num_devices
