@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from embshard import InfeasibleError, Plan, Shard, Table, Task, validate
+from embshard import InfeasibleError, InputError, Plan, Shard, Table, Task, validate
 from embshard.costs.analytic import AnalyticCostModel
 from embshard.costs.base import DeviceCosts
 from embshard.search.base import Capabilities, GuardedSharder
@@ -86,6 +86,64 @@ def test_without_hardware_the_cost_models_pick_and_report_names_every_member():
 def test_no_member_with_a_plan_raises_the_members_infeasibility():
     with pytest.raises(InfeasibleError):
         PortfolioSharder({"nowhere": Nowhere()}, ranker=None).shard(tiny_task())
+
+
+class InWorker:
+    """A member that says in its plan's name which process planned it."""
+
+    capabilities = Capabilities(("pooled",), splits_tables=False)
+    name = "in_worker"
+
+    def shard(self, task: Task) -> Plan:
+        return Plan(task.name, f"pid{os.getpid()}", [Shard.whole(t, i % task.num_devices) for i, t in enumerate(task.tables)])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the members plan in forked workers on Linux only")
+def test_members_planned_in_workers_give_the_plans_and_rows_of_members_planned_in_turn():
+    """`workers=2` plans every member in forked worker processes (the stand-in member's plan
+    carries the planning process's id), and the members' plans, the ranking and the rows are
+    those of `workers=1` (one after another here), the real NeuroShard member included."""
+    task = tiny_task(devices=3, n=9)
+
+    def members():
+        return {"in_worker": InWorker(), "nowhere": Nowhere(), "neuroshard": NeuroShardSharder(verify=0),
+                "size_greedy": GreedySharder("size"), "round_robin": RoundRobinSharder()}
+
+    serial, forked = PortfolioSharder(members(), ranker=None, workers=1), PortfolioSharder(members(), ranker=None, workers=2)
+    rows = {}
+    for p in (serial, forked):
+        got = p.plan_members(task, AnalyticCostModel())
+        assert [r["member"] for r, _, _ in got] == list(p.members)
+        rows[p.workers] = got
+    assert rows[1][0][1].algorithm == f"pid{os.getpid()}" and rows[2][0][1].algorithm != f"pid{os.getpid()}"
+    for (r1, p1, e1), (r2, p2, e2) in zip(rows[1], rows[2]):
+        assert {k: v for k, v in r1.items() if k != "search_seconds"} == {k: v for k, v in r2.items() if k != "search_seconds"}
+        assert (p1 is None) == (p2 is None) and (p1 is None or p1.signature() == p2.signature())
+        assert type(e1) is type(e2)  # the member's own error comes back from the worker
+    assert isinstance(rows[2][1][2], InfeasibleError) and rows[2][1][2].shortfall_bytes == 8
+    assert serial.shard(task) == forked.shard(task)
+    assert forked.last_search_info["portfolio"]["workers"] == 2 and serial.last_search_info["portfolio"]["workers"] == 1
+    def strip(info):
+        return [{k: v for k, v in m.items() if k != "search_seconds"} for m in info["portfolio"]["members"]]
+
+    assert strip(forked.last_search_info) == strip(serial.last_search_info)
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, "many", True])
+def test_workers_must_be_a_positive_count_or_auto(workers):
+    with pytest.raises(InputError, match="workers must be a positive integer or 'auto'"):
+        PortfolioSharder({"size_greedy": GreedySharder("size")}, ranker=None, workers=workers)
+
+
+def test_auto_plans_small_tasks_in_this_process_and_big_ones_on_every_core():
+    from embshard.search.portfolio import PARALLEL_FROM_PAIRS
+
+    p = PortfolioSharder({f"m{i}": GreedySharder("size") for i in range(64)}, ranker=None)
+    small = tiny_task()
+    assert p.worker_count(small) == 1
+    big = Task("big", 128, 2**40, 256, tuple(Table(f"t{i}", 10, 4, 1.0) for i in range(-(-PARALLEL_FROM_PAIRS // 128))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert p.worker_count(big) == (min(cores, 64) if sys.platform == "linux" else 1)
 
 
 @pytest.mark.parametrize("learned_ms, expect", [(8.0, "learned"), (12.0, "size_greedy")])

@@ -3,7 +3,9 @@ task, the cost models rank their plans, and with hardware attached the measured 
 
 1. Every member runs (NeuroShard, DreamShard, AutoShard and the six heuristics by default;
    each in seconds, none of them measuring: a member's own guard stays off). A member that
-   refuses the task or finds no plan is recorded with its reason; the others go on.
+   refuses the task or finds no plan is recorded with its reason; the others go on. On a big
+   task the members plan in forked worker processes, as many at once as the machine has
+   cores (`workers`); each member plans exactly as it would alone.
 2. The distinct plans are ranked by the cost models (`ranker`: the neural checkpoint's
    `device_costs`, whose all-to-alls fall back to the analytic model where the comm models
    cannot be trusted; None: the analytic model). Without hardware the cheapest is returned.
@@ -22,7 +24,9 @@ the guard's own record, and `portfolio_pick` the ranking's pick measured beside 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import sys
 import time
 from typing import Any, Mapping, Sequence
 
@@ -39,6 +43,15 @@ log = logging.getLogger(__name__)
 
 #: the learned members, by their conf/search names
 LEARNED = ("neuroshard", "dreamshard", "autoshard")
+
+#: `workers="auto"` plans the members in parallel from this many table x device pairs on
+#: (856 x 128 is 109,568): below it every member plans in well under a second, less than
+#: starting the worker processes costs
+PARALLEL_FROM_PAIRS = 100_000
+
+#: (the portfolio, the task, the ranker) while its members plan in forked workers, which
+#: inherit it (nothing is pickled on the way in: the members hold networks)
+_FORKED: tuple[Any, Task, CostModel] | None = None
 
 
 def default_members() -> dict[str, Sharder]:
@@ -74,6 +87,11 @@ class PortfolioSharder(GuardSlot):
         verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
             verify_max_rounds, verify_contenders, verify_margin, verify_interval,
             verify_search_contenders: the guard's settings (`MeasuredGuard`).
+        workers: how many members plan at once, each in a forked worker process (Linux; one
+            thread each); 1: one after another in this process; "auto": the machine's cores
+            (at most one per member) on tasks of at least PARALLEL_FROM_PAIRS table x device
+            pairs, else 1. The plans are the same either way (every member seeds its own
+            sampling); only the wall time differs.
         name: the algorithm name of the plans.
     """
 
@@ -94,6 +112,7 @@ class PortfolioSharder(GuardSlot):
         verify_margin: float = 0.1,
         verify_interval: str = "bootstrap",
         verify_search_contenders: int = 1,
+        workers: int | str = "auto",
         name: str = "portfolio",
     ):
         self.check_verify(verify, name)
@@ -104,6 +123,9 @@ class PortfolioSharder(GuardSlot):
             if not isinstance(sharder, Sharder):
                 raise InputError(f"{name}: member {member!r} is not a planner (a Sharder), got {type(sharder).__name__}")
         self.ranker = None if ranker in (None, "") else str(ranker)
+        if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+            raise InputError(f"{name}: workers must be a positive integer or 'auto', got {workers!r}")
+        self.workers = workers
         self.verify = verify
         self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
                                    verify_max_rounds, verify_contenders, verify_margin,
@@ -133,6 +155,53 @@ class PortfolioSharder(GuardSlot):
                 self._ranker = (models.neural, models.info)
         return self._ranker
 
+    def worker_count(self, task: Task) -> int:
+        """How many members plan at once on `task` (`workers`)."""
+        if sys.platform != "linux" or "fork" not in multiprocessing.get_all_start_methods():
+            return 1
+        if self.workers == "auto":
+            if len(task.tables) * task.num_devices < PARALLEL_FROM_PAIRS:
+                return 1
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            return max(1, min(cores, len(self.members)))
+        return min(int(self.workers), len(self.members))
+
+    def plan_member(self, member: str, task: Task, ranker: CostModel) -> tuple[dict[str, Any], Plan | None, EmbshardError | None]:
+        """(its report row, its validated plan or None, the error that stopped it or None) of
+        one member, the plan's predicted cost (ms) by `ranker` in the row."""
+        sharder = self.members[member]
+        row: dict[str, Any] = {"member": member}
+        why = refusal(member, sharder.capabilities, task)
+        if why is not None:
+            return row | {"valid": False, "error": f"refused: {why}"}, None, None
+        t0 = time.perf_counter()
+        try:
+            plan = sharder.shard(task)
+            validate(task, plan)
+        except EmbshardError as e:
+            return (row | {"valid": False, "error": str(e).splitlines()[0] if str(e) else type(e).__name__,
+                           "search_seconds": round(time.perf_counter() - t0, 4)}, None, e)
+        row |= {"valid": True, "search_seconds": round(time.perf_counter() - t0, 4),
+                "predicted_ms": ranker.device_costs(task, plan).plan_cost_ms}
+        return row, plan, None
+
+    def plan_members(self, task: Task, ranker: CostModel) -> list[tuple[dict[str, Any], Plan | None, EmbshardError | None]]:
+        """`plan_member` of every member, in member order: one after another, or in forked
+        workers (`worker_count`), the learned members handed out first (they take longest)."""
+        names = list(self.members)
+        n = self.worker_count(task)
+        if n <= 1:
+            return [self.plan_member(m, task, ranker) for m in names]
+        global _FORKED
+        order = [m for m in names if m in LEARNED] + [m for m in names if m not in LEARNED]
+        _FORKED = (self, task, ranker)
+        try:
+            with multiprocessing.get_context("fork").Pool(n, initializer=_one_thread) as pool:
+                got = dict(zip(order, pool.map(_plan_forked, order, chunksize=1)))
+        finally:
+            _FORKED = None
+        return [got[m] for m in names]
+
     # ------------------------------------------------------------------ Sharder
     def shard(self, task: Task) -> Plan:
         start = time.perf_counter()
@@ -141,31 +210,22 @@ class PortfolioSharder(GuardSlot):
         plans: list[tuple[str, Plan, float]] = []  # (member, plan, predicted ms), distinct plans
         seen: dict[tuple, str] = {}
         errors: list[EmbshardError] = []
-        for member, sharder in self.members.items():
-            row: dict[str, Any] = {"member": member}
-            why = refusal(member, sharder.capabilities, task)
-            if why is not None:
-                members.append(row | {"valid": False, "error": f"refused: {why}"})
+        workers = self.worker_count(task)
+        for row, plan, error in self.plan_members(task, ranker):
+            member = row["member"]
+            if error is not None:
+                errors.append(error)
+                log.info("%s: member %s has no plan for %s: %s", self.name, member, task.name, error)
+            if plan is None:
+                members.append(row)
                 continue
-            t0 = time.perf_counter()
-            try:
-                plan = sharder.shard(task)
-                validate(task, plan)
-            except EmbshardError as e:
-                errors.append(e)
-                members.append(row | {"valid": False, "error": str(e).splitlines()[0] if str(e) else type(e).__name__,
-                                      "search_seconds": round(time.perf_counter() - t0, 4)})
-                log.info("%s: member %s has no plan for %s: %s", self.name, member, task.name, e)
-                continue
-            row |= {"valid": True, "search_seconds": round(time.perf_counter() - t0, 4)}
             sig = plan.signature()
             if sig in seen:  # the same plan as an earlier member's: ranked once
-                members.append(row | {"same_as": seen[sig]})
+                members.append({k: v for k, v in row.items() if k != "predicted_ms"} | {"same_as": seen[sig]})
                 continue
             seen[sig] = member
-            predicted = ranker.device_costs(task, plan).plan_cost_ms
-            members.append(row | {"predicted_ms": predicted})
-            plans.append((member, plan, predicted))
+            members.append(row)
+            plans.append((member, plan, row["predicted_ms"]))
         if not plans:
             infeasible = [e for e in errors if isinstance(e, InfeasibleError)]
             if infeasible:
@@ -200,6 +260,7 @@ class PortfolioSharder(GuardSlot):
         # cost_model / checkpoint: the models the plans were ranked by (as a search's: shard.py's
         # caption says when the same models judge the estimates)
         self.last_search_info = {**ranker_info, "portfolio": {
+            "workers": workers,
             "members": members,
             "ranking": [m for m, _, _ in ranked],
             "pick": pick_member,
@@ -208,3 +269,15 @@ class PortfolioSharder(GuardSlot):
             "interval": interval,
         }}
         return Plan(task.name, self.name, list(chosen.shards))
+
+
+def _one_thread() -> None:
+    """A forked worker plans with one thread (its siblings have the other cores)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _plan_forked(member: str) -> tuple[dict[str, Any], Plan | None, EmbshardError | None]:
+    portfolio, task, ranker = _FORKED  # inherited from the parent at fork
+    return portfolio.plan_member(member, task, ranker)
