@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from embshard.heldout import heldout_ratios
@@ -101,3 +102,12 @@ def test_expected_selection_is_one_without_noise_and_the_minimum_of_two_draws_wi
     assert expected_selection(two, noise=0.07, draws=40000)["t"] == pytest.approx(1 - s / math.sqrt(math.pi), abs=0.002)
     far = {"results": [row("t", "size_greedy", [10] * 4, 10.0), row("t", "lookup_greedy", [20] * 4, 20.0)]}
     assert expected_selection(far, noise=0.07)["t"] == pytest.approx(1.0, abs=0.003)  # no close rival: no effect
+
+
+def test_repetition_spread_is_the_median_distance_from_each_rounds_median():
+    from embshard.heldout import repetition_spread
+
+    # round 1 of size_greedy: 10 and 11 around their median 10.5... (even rounds of 2: both differ from it)
+    one = {"results": [row("t", "size_greedy", [10, 12, 11, 11]), row("t", "lookup_greedy", [20, 20, 20, 20])]}
+    # distances: |log(10/11)|, |log(12/11)| (round 1 of size_greedy); round 2 and lookup_greedy: all equal their median
+    assert repetition_spread([one]) == pytest.approx(float(np.median([abs(math.log(10 / 11)), abs(math.log(12 / 11))])))

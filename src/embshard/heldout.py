@@ -128,3 +128,23 @@ def expected_selection(report: dict[str, Any], noise: float, rounds: int = 2, dr
         draw = mu * np.exp(rng.normal(0.0, noise / np.sqrt(rounds), size=(draws, len(mu))))
         out[task] = float(draw.min(axis=1).mean() / mu.min())
     return out
+
+
+def repetition_spread(reports: Sequence[dict[str, Any]]) -> float:
+    """The median distance (as a share, |log|) of a repetition from its round's median, over
+    every plan's rounds in `reports` (the repetition equal to the median left out): how much a
+    round's own repetitions scatter, beside `round_noise` between rounds."""
+    dev, plans = [], 0
+    for report in reports:
+        for row in report.get("results", []):
+            s = _samples(row)
+            if s is None or len(s) % 2:
+                continue
+            plans += 1
+            n = len(s) // 2
+            for part in (s[:n], s[n:]):
+                m = statistics.median(part)
+                dev += [abs(float(np.log(v / m))) for v in part if v != m]
+    if not plans:
+        raise ValueError("no plan measured on two rounds")
+    return float(statistics.median(dev)) if dev else 0.0
