@@ -341,9 +341,13 @@ rl-test-eval: $(STAMP)
 	$(MAKE) portfolio-eval PE=$(RL_TEST)/seen PE_TASKS=6 PE_FIRST=0 PE_ALGOS='$(RL_TEST_ALGOS)' PE_MORE=$(RL_TEST)/fresh/runs
 
 # Planning time and estimates at scale (docs/portfolio.md, "Scale"): every planner at 856 x 128 and
-# 5,384 x 1,024 (no measuring; a few minutes).
+# 5,384 x 1,024, then the portfolio on that 5,384-table task (its search_seconds in
+# $(SCALE)/portfolio/report.json; no measuring; a few minutes).
+SCALE ?= experiments/scale
 scale-bench: $(STAMP)
 	$(PY) scripts/bench_neuroshard_planning.py --checkpoint $(CKPT)/cost_models.pt --repeats 3
 	$(PY) scripts/bench_neuroshard_planning.py --checkpoint $(CKPT)/cost_models.pt --tables 5384 --devices 1024
 	$(PY) scripts/bench_rl_planning.py --samples 0,8
 	$(PY) scripts/bench_rl_planning.py --tables 5384 --devices 1024 --repeats 1 --samples 0
+	mkdir -p $(SCALE) && $(PY) scripts/bench_rl_planning.py --tables 5384 --devices 1024 --save-task $(SCALE)/task5384.json
+	$(PY) shard.py task_file=$(SCALE)/task5384.json evaluate=none 'algorithms=[portfolio]' plot=false out_dir=$(SCALE)/portfolio

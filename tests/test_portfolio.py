@@ -129,6 +129,23 @@ def test_members_planned_in_workers_give_the_plans_and_rows_of_members_planned_i
     assert strip(forked.last_search_info) == strip(serial.last_search_info)
 
 
+class Dies:
+    """A member whose process dies while it plans (as one killed for memory would)."""
+
+    capabilities = Capabilities(("pooled",), splits_tables=False)
+    name = "dies"
+
+    def shard(self, task: Task) -> Plan:
+        os._exit(3)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the members plan in forked workers on Linux only")
+def test_a_worker_that_dies_is_an_error_that_says_how_to_plan_without_workers():
+    p = PortfolioSharder({"size_greedy": GreedySharder("size"), "dies": Dies()}, ranker=None, workers=2)
+    with pytest.raises(RuntimeError, match=r"worker process planning the members died.*workers=1"):
+        p.shard(tiny_task())
+
+
 @pytest.mark.parametrize("workers", [0, -1, 1.5, "many", True])
 def test_workers_must_be_a_positive_count_or_auto(workers):
     with pytest.raises(InputError, match="workers must be a positive integer or 'auto'"):

@@ -28,6 +28,8 @@ import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Mapping, Sequence
 
 from embshard.compare import refusal
@@ -196,8 +198,13 @@ class PortfolioSharder(GuardSlot):
         order = [m for m in names if m in LEARNED] + [m for m in names if m not in LEARNED]
         _FORKED = (self, task, ranker)
         try:
-            with multiprocessing.get_context("fork").Pool(n, initializer=_one_thread) as pool:
-                got = dict(zip(order, pool.map(_plan_forked, order, chunksize=1)))
+            # an executor, not multiprocessing.Pool: a worker that dies (killed for memory, say)
+            # raises BrokenProcessPool here instead of leaving the map waiting forever
+            with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"), initializer=_one_thread) as ex:
+                got = dict(zip(order, ex.map(_plan_forked, order)))
+        except BrokenProcessPool as e:
+            raise RuntimeError(f"{self.name}: a worker process planning the members died ({e}); "
+                               f"{self.name}.workers=1 plans them one after another in this process") from e
         finally:
             _FORKED = None
         return [got[m] for m in names]
