@@ -15,7 +15,6 @@ bootstrap 95% interval over tasks.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
