@@ -39,6 +39,12 @@ def _samples(row: dict[str, Any]) -> list[float] | None:
     return [float(x) for x in s] if len(s) >= 2 else None
 
 
+def _two_rounds(s: list[float]) -> tuple[list[float], list[float]]:
+    """A plan's samples as its two rounds (round-major, an even count)."""
+    n = len(s) // 2
+    return s[:n], s[n:]
+
+
 def heldout_ratios(report: dict[str, Any], algorithms: Sequence[str] | None = None,
                    heuristics: Sequence[str] = HEURISTICS) -> tuple[list[dict[str, Any]], list[str]]:
     """(rows, skipped tasks) of a measured report.json (shard.py's, `rounds` >= 2). A row per
@@ -60,9 +66,8 @@ def heldout_ratios(report: dict[str, Any], algorithms: Sequence[str] | None = No
         if len(hs) < 2 or len(lengths) != 1 or next(iter(lengths)) % 2:
             skipped.append(task)
             continue
-        n = next(iter(lengths))
-        rounds = [{a: statistics.median(s[: n // 2]) for a, s in samples.items()},
-                  {a: statistics.median(s[n // 2:]) for a, s in samples.items()}]
+        medians = {a: [statistics.median(part) for part in _two_rounds(s)] for a, s in samples.items()}
+        rounds = [{a: m[0] for a, m in medians.items()}, {a: m[1] for a, m in medians.items()}]
         best = min(hs, key=lambda h: rows[h]["measured_cost_ms"])
         for a in (algorithms if algorithms is not None else list(samples)):
             if a not in samples:
@@ -87,8 +92,8 @@ def _round_medians(report: dict[str, Any]) -> dict[str, dict[str, tuple[float, f
     for row in report.get("results", []):
         s = _samples(row)
         if s is not None and len(s) % 2 == 0:
-            n = len(s) // 2
-            out.setdefault(row["task"], {})[row["algorithm"]] = (statistics.median(s[:n]), statistics.median(s[n:]))
+            first, second = _two_rounds(s)
+            out.setdefault(row["task"], {})[row["algorithm"]] = (statistics.median(first), statistics.median(second))
     return out
 
 
@@ -141,8 +146,7 @@ def repetition_spread(reports: Sequence[dict[str, Any]]) -> float:
             if s is None or len(s) % 2:
                 continue
             plans += 1
-            n = len(s) // 2
-            for part in (s[:n], s[n:]):
+            for part in _two_rounds(s):
                 m = statistics.median(part)
                 dev += [abs(float(np.log(v / m))) for v in part if v != m]
     if not plans:

@@ -187,11 +187,12 @@ class PortfolioSharder(GuardSlot):
                 "predicted_ms": ranker.device_costs(task, plan).plan_cost_ms}
         return row, plan, None
 
-    def plan_members(self, task: Task, ranker: CostModel) -> list[tuple[dict[str, Any], Plan | None, EmbshardError | None]]:
-        """`plan_member` of every member, in member order: one after another, or in forked
-        workers (`worker_count`), the learned members handed out first (they take longest)."""
+    def plan_members(self, task: Task, ranker: CostModel,
+                     workers: int | None = None) -> list[tuple[dict[str, Any], Plan | None, EmbshardError | None]]:
+        """`plan_member` of every member, in member order: one after another, or in `workers`
+        forked workers (None: `worker_count`), the learned members handed out first (they take longest)."""
         names = list(self.members)
-        n = self.worker_count(task)
+        n = self.worker_count(task) if workers is None else workers
         if n <= 1:
             return [self.plan_member(m, task, ranker) for m in names]
         global _FORKED
@@ -218,7 +219,7 @@ class PortfolioSharder(GuardSlot):
         seen: dict[tuple, str] = {}
         errors: list[EmbshardError] = []
         workers = self.worker_count(task)
-        for row, plan, error in self.plan_members(task, ranker):
+        for row, plan, error in self.plan_members(task, ranker, workers):
             member = row["member"]
             if error is not None:
                 errors.append(error)
