@@ -250,30 +250,52 @@ def balance_line(reports: dict[str, dict]) -> str:
 #: a task's final measurement disagrees with its guard's first round above this spread (the sd of
 #: the log ratio over the plans both measured; 0.02-0.07 on the quiet tasks of the passes so far)
 DISAGREE_SD = 0.1
+#: ... or when the final measurement moved the cost ratio of two plans the guard measured in every
+#: round by more than this (|log| of the shift; the 90th percentile of the 74 guarded tasks of
+#: stops 34-39 was 0.15, the median 0.06)
+DISAGREE_PAIR = 0.15
 
 
 def agreement_line(reports: dict[str, dict], summary: dict) -> str:
     """Per setting, the tasks whose final measurement disagrees with the guard's first round of the
-    same plans (`embshard.report.guard_agreement` above DISAGREE_SD), and whether the portfolio was
-    worse than the best heuristic beyond its interval on one of them."""
-    from embshard.report import guard_agreement
+    same plans (`embshard.report.guard_agreement` above DISAGREE_SD), the tasks in which it moved
+    two plans the guard paired against each other (`embshard.report.guard_reversals` above
+    DISAGREE_PAIR), and whether the portfolio was worse than the best heuristic beyond its interval
+    on one of them."""
+    from embshard.report import guard_agreement, guard_reversals
 
-    cells, checked = [], 0
+    cells, pair_cells, checked, pairs_checked = [], [], 0, 0
     for setting, report in reports.items():
+        worse = set(((summary.get(setting) or {}).get("portfolio") or {}).get("worse_tasks") or [])
+
+        def note(task: str) -> str:
+            return "; portfolio worse beyond interval" if task in worse else ""
+
         sds = guard_agreement(report)
         checked += len(sds)
         bad = sorted(t for t, (sd, _) in sds.items() if sd > DISAGREE_SD)
-        if not bad:
-            continue
-        worse = set(((summary.get(setting) or {}).get("portfolio") or {}).get("worse_tasks") or [])
-        cells.append(f"{setting}: " + ", ".join(f"{t} ({sds[t][0]:.3f}{'; portfolio worse beyond interval' if t in worse else ''})"
-                                                for t in bad))
-    if not checked:
+        if bad:
+            cells.append(f"{setting}: " + ", ".join(f"{t} ({sds[t][0]:.3f}{note(t)})" for t in bad))
+        moved = guard_reversals(report)
+        pairs_checked += len(moved)
+        bad = sorted(t for t, m in moved.items() if m["shift"] > DISAGREE_PAIR)
+        if bad:
+            pair_cells.append(f"{setting}: " + ", ".join(
+                f"{t} ({'/'.join(moved[t]['pair'])}: guard {moved[t]['guard_ratio']:.3f} over {moved[t]['rounds']} rounds, "
+                f"final {moved[t]['final_ratio']:.3f}{note(t)})" for t in bad))
+    if not checked and not pairs_checked:
         return ""
     head = (f"Measurement agreement ({checked} tasks with a guard): the final measurement against the guard's first "
             f"round of the same plans, minutes apart, sd of log(final / guard) over the plans; above {DISAGREE_SD:g}, "
             "the machine's state changed between them and plans slowed unevenly")
-    return head + (":\n\n- " + "\n- ".join(cells) + "\n" if cells else ": every task agrees.\n")
+    text = head + (":\n\n- " + "\n- ".join(cells) + "\n" if cells else ": every task agrees.\n")
+    if pairs_checked:
+        text += (f"\nPlans that moved against each other ({pairs_checked} tasks with a guard of 2 or more rounds): the pair "
+                 "of plans the guard measured in every round whose cost ratio the final measurement moved most, where "
+                 f"it moved by more than {DISAGREE_PAIR:g} in log (one plan can move so while the spread above stays "
+                 "low; the ranking of the two in that task's final measurement is then in doubt)")
+        text += (":\n\n- " + "\n- ".join(pair_cells) + "\n") if pair_cells else ": none.\n"
+    return text
 
 
 #: paired comparisons summarize prints by default: the portfolio over guarded NeuroShard decides

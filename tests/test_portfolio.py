@@ -424,3 +424,51 @@ def test_guard_agreement_flags_a_final_measurement_in_which_plans_slowed_unevenl
     assert "Measurement agreement (2 tasks with a guard)" in text
     assert f"- 20-30x4: stormy ({got['stormy'][0]:.3f}; portfolio worse beyond interval)" in text
     assert "calm (" not in text
+
+
+def test_guard_reversals_flag_one_plan_that_moved_against_the_pair_the_guard_settled(tmp_path):
+    """A guard that ranked a below b over 4 paired rounds, and a final measurement that put a 20%
+    above b while five other plans held: the spread of guard_agreement stays under its threshold,
+    the pair check names a/b with both ratios; a task whose plans all slowed alike moves no pair;
+    a guard of one round is left out."""
+    import math
+
+    from embshard.report import guard_agreement, guard_reversals
+
+    def task(name, final_scale, rounds=4):
+        first = {"neuroshard": 10.0, "size_lookup_greedy": 9.5, "lookup_greedy": 10.2, "dim_greedy": 11.0,
+                 "size_greedy": 12.0, "round_robin": 11.5, "random": 12.5}
+        paired = ("neuroshard", "size_lookup_greedy", "lookup_greedy")
+        guard = {"candidates": [{"label": a, "measured_ms": c} for a, c in first.items()],
+                 "rounds": [first] + [{a: first[a] * (1 + 0.01 * k) for a in paired} for k in range(1, rounds)]}
+        means = {a: sum(r[a] for r in guard["rounds"]) / rounds for a in paired}
+        final = {a: final_scale.get(a, 1.0) * means.get(a, c) for a, c in first.items()}
+        rows = [_result(name, "neuroshard_pick" if a == "neuroshard" else a, c, 0.0) for a, c in final.items()]
+        rows.append(dict(_result(name, "portfolio", final["size_lookup_greedy"], 0.0), guard=guard))
+        return rows, means
+
+    moved_rows, means = task("moved", {"size_lookup_greedy": 1.22})
+    calm_rows, _ = task("calm", {a: 1.1 for a in ("neuroshard", "size_lookup_greedy", "lookup_greedy", "dim_greedy",
+                                                "size_greedy", "round_robin", "random")})
+    short_rows, _ = task("short", {"size_lookup_greedy": 1.22}, rounds=1)
+    report = {"results": moved_rows + calm_rows + short_rows}
+    got = guard_reversals(report)
+    assert set(got) == {"moved", "calm"}
+    assert got["calm"]["shift"] == pytest.approx(0.0, abs=1e-12)
+    m = got["moved"]
+    assert m["pair"][0] == "size_lookup_greedy" and m["rounds"] == 4
+    assert m["shift"] == pytest.approx(math.log(1.22))
+    assert m["final_ratio"] / m["guard_ratio"] == pytest.approx(1.22)
+    assert m["guard_ratio"] == pytest.approx(means["size_lookup_greedy"] / means[m["pair"][1]])
+    assert guard_agreement(report)["moved"][0] < 0.1  # the spread alone does not flag it
+
+    (tmp_path / "runs" / "20-30x4").mkdir(parents=True)
+    (tmp_path / "runs" / "20-30x4" / "report.json").write_text(json.dumps(report))
+    text = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "summarize",
+                           str(tmp_path / "runs"), "--out", str(tmp_path / "s")],
+                          capture_output=True, text=True, check=True).stdout
+    assert "every task agrees" in text
+    assert "Plans that moved against each other (2 tasks with a guard of 2 or more rounds)" in text
+    assert (f"- 20-30x4: moved (size_lookup_greedy/{m['pair'][1]}: guard {m['guard_ratio']:.3f} over 4 rounds, "
+            f"final {m['final_ratio']:.3f})") in text
+    assert "calm (" not in text

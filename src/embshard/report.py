@@ -145,6 +145,44 @@ def guard_agreement(report: dict[str, Any], guarded: Sequence[str] = GUARDED) ->
     return out
 
 
+
+def guard_reversals(report: dict[str, Any], guarded: Sequence[str] = GUARDED) -> dict[str, dict[str, Any]]:
+    """Per task of a measured report.json: the pair of plans whose cost ratio the final
+    measurement moved most from the guard's paired rounds (the plans the guard measured in every
+    one of its rounds, the same guard `guard_agreement` reads). A per-pair check beside that
+    function's spread: one plan moving 20% while the rest hold raises the spread little, yet it
+    can reverse the ranking the guard settled over many rounds. For the pair (a, b): the guard's
+    ratio of their mean costs over its rounds, the final measurement's ratio, and the shift
+    log(final ratio / guard ratio) (a positive shift: a got dearer against b). Tasks without a
+    guard of at least 2 rounds, or with fewer than 2 paired plans measured at the end, are left
+    out."""
+    out: dict[str, dict[str, Any]] = {}
+    for task, rows in _rows_by_task(report).items():
+        guard = next((rows[a]["guard"] for a in guarded if a in rows and len((rows[a].get("guard") or {}).get("rounds") or []) >= 2),
+                     None)
+        if guard is None:
+            continue
+        rounds = guard["rounds"]
+        paired = [label for label in rounds[0] if all(label in r for r in rounds)]
+        guard_ms, final_ms = {}, {}
+        for label in paired:
+            r = rows.get(label + PICK_SUFFIX if label == "neuroshard" else label)
+            if r and r["valid"] and r.get("measured_cost_ms"):
+                guard_ms[label] = float(np.mean([rd[label] for rd in rounds]))
+                final_ms[label] = float(r["measured_cost_ms"])
+        worst = None
+        names = list(guard_ms)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                shift = math.log((final_ms[a] / final_ms[b]) / (guard_ms[a] / guard_ms[b]))
+                if worst is None or abs(shift) > abs(worst["shift"]):
+                    a_, b_, s_ = (a, b, shift) if shift >= 0 else (b, a, -shift)
+                    worst = {"pair": (a_, b_), "guard_ratio": guard_ms[a_] / guard_ms[b_],
+                             "final_ratio": final_ms[a_] / final_ms[b_], "shift": s_, "rounds": len(rounds)}
+        if worst is not None:
+            out[task] = worst
+    return out
+
 def setting_reports(runs: str | os.PathLike, settings: Sequence[str],
                     more: Sequence[str | os.PathLike] = ()) -> dict[str, dict[str, Any]]:
     """Every `<runs>/<setting>/report.json`: the named settings first, in their order, then any
