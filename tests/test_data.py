@@ -381,6 +381,29 @@ def test_neuroshard_tasks(pool, tmp_path):
     assert off.shape == (65,) and (idx.numel() == 0 or int(idx.max()) < tb.rows)
 
 
+def test_table_draw_keeps_room_under_a_cap_the_random_draws_cannot_meet(pool):
+    """A cap that the n smallest tables at the smallest dim just meet: random draws (random
+    dims, taken in a random order) practically never end with n tables, the draw that keeps room
+    for the rest always does, within the cap, n distinct tables; 1 byte less and it names the
+    n smallest tables' bytes and the excess."""
+    from embshard.data.tasks import _draw_tables
+
+    entries = read_table_pool(pool)
+    n = len(entries) - 2
+    dims = tuple(sorted(DIMS))
+    smallest = sorted(e["rows"] * dims[0] * int(e.get("bytes_per_element", 4)) for e in entries)
+    cap = sum(smallest[:n])
+    for seed in range(3):
+        tables = _draw_tables(entries, n, dims, cap, np.random.default_rng(seed), attempts=0)
+        assert len(tables) == n and len({t.name for t in tables}) == n
+        assert sum(t.size_bytes for t in tables) <= cap
+    again = _draw_tables(entries, n, dims, cap, np.random.default_rng(0), attempts=5)
+    assert [t.to_dict() for t in again] == [t.to_dict() for t in
+                                            _draw_tables(entries, n, dims, cap, np.random.default_rng(0), attempts=5)]
+    with pytest.raises(InputError, match=rf"the {n} smallest at dim {dims[0]} take {cap} bytes, 1 over it"):
+        _draw_tables(entries, n, dims, cap - 1, np.random.default_rng(0), attempts=5)
+
+
 @pytest.mark.parametrize("kw", [
     {"num_tasks": 0}, {"min_tables": 20, "max_tables": 10}, {"min_tables": 1000},
     {"dims": [3]}, {"max_total_bytes": -5}, {"max_total_bytes": 10}, {"num_devices": 0},

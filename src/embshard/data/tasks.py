@@ -128,28 +128,57 @@ def _draw_tables(
     rng: np.random.Generator,
     attempts: int = 100,
 ) -> list[Table]:
-    """`n` distinct pool tables with random dims, total weight bytes <= cap."""
+    """`n` distinct pool tables with random dims, total weight bytes <= cap.
+
+    Tables are taken in a random order, each at a random dim (a smaller one where that would
+    break the cap, skipped where none fits). Where `attempts` such draws all end short of `n`
+    (a tight cap and a pool of many large tables), one more draw keeps room for the rest: a
+    table is taken only at a dim that leaves the cap room for the smallest of the tables not yet
+    visited, so it ends with `n` whenever the `n` smallest tables fit at the smallest dim. The
+    draws before it are unchanged, so tasks drawn before with the same seed stay the same."""
+    def size(e: dict[str, Any], d: int) -> int:
+        return int(e["rows"]) * d * int(e.get("bytes_per_element", 4))
+
     for _ in range(attempts):
         chosen: list[Table] = []
         used = 0
         for i in rng.permutation(len(entries)):
             e = entries[int(i)]
-            bpe = int(e.get("bytes_per_element", 4))
             d = int(rng.choice(dims))
-            if cap is not None and used + e["rows"] * d * bpe > cap:
-                smaller = [x for x in dims if x < d and used + e["rows"] * x * bpe <= cap]
+            if cap is not None and used + size(e, d) > cap:
+                smaller = [x for x in dims if x < d and used + size(e, x) <= cap]
                 if not smaller:
                     continue
                 d = int(rng.choice(smaller))
             chosen.append(_make_table(e, d))
-            used += e["rows"] * d * bpe
+            used += size(e, d)
             if len(chosen) == n:
                 return chosen
-    raise InputError(
-        f"cannot draw {n} tables from a pool of {len(entries)} under a total-size cap of "
-        f"{cap} bytes (smallest table at dim {dims[0]}: "
-        f"{min(e['rows'] * dims[0] * int(e.get('bytes_per_element', 4)) for e in entries)} bytes)"
-    )
+    smallest = sorted(size(e, dims[0]) for e in entries)
+    if cap is None or sum(smallest[:n]) > cap:  # (no cap: fewer than n entries, checked by the callers)
+        need = sum(smallest[:n])
+        raise InputError(
+            f"cannot draw {n} tables from a pool of {len(entries)} under a total-size cap of {cap} bytes: "
+            f"the {n} smallest at dim {dims[0]} take {need} bytes, {need - (cap or 0)} over it")
+    order = rng.permutation(len(entries))
+    least = np.array([size(entries[int(i)], dims[0]) for i in order], dtype=np.int64)
+    chosen, used = [], 0
+    for pos, i in enumerate(order):
+        e = entries[int(i)]
+        rest = n - len(chosen) - 1          # tables still needed after this one
+        after = least[pos + 1:]
+        reserve = int(np.partition(after, rest - 1)[:rest].sum()) if rest > 0 else 0
+        fits = [x for x in dims if used + size(e, x) + reserve <= cap]
+        if not fits:
+            continue
+        d = int(rng.choice(dims))
+        if d not in fits:
+            d = int(rng.choice(fits))
+        chosen.append(_make_table(e, d))
+        used += size(e, d)
+        if len(chosen) == n:
+            return chosen
+    raise AssertionError("unreachable: the reserve keeps room for the rest")  # pragma: no cover
 
 
 def _device_memory(tables: list[Table], num_devices: int, batch_size: int, optimizer: str,
