@@ -402,6 +402,10 @@ def test_table_draw_keeps_room_under_a_cap_the_random_draws_cannot_meet(pool):
                                             _draw_tables(entries, n, dims, cap, np.random.default_rng(0), attempts=5)]
     with pytest.raises(InputError, match=rf"the {n} smallest at dim {dims[0]} take {cap} bytes, 1 over it"):
         _draw_tables(entries, n, dims, cap - 1, np.random.default_rng(0), attempts=5)
+    free = _draw_tables(entries, n, dims, None, np.random.default_rng(0), attempts=0)  # no cap: any n tables
+    assert len({t.name for t in free}) == n
+    with pytest.raises(InputError, match=rf"cannot draw {len(entries) + 1} tables from a pool of {len(entries)}$"):
+        _draw_tables(entries, len(entries) + 1, dims, None, np.random.default_rng(0), attempts=0)
 
 
 @pytest.mark.parametrize("kw", [

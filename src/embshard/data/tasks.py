@@ -154,12 +154,14 @@ def _draw_tables(
             used += size(e, d)
             if len(chosen) == n:
                 return chosen
-    smallest = sorted(size(e, dims[0]) for e in entries)
-    if cap is None or sum(smallest[:n]) > cap:  # (no cap: fewer than n entries, checked by the callers)
-        need = sum(smallest[:n])
+    if len(entries) < n:
+        raise InputError(f"cannot draw {n} tables from a pool of {len(entries)}")
+    need = sum(sorted(size(e, dims[0]) for e in entries)[:n])
+    if cap is not None and need > cap:
         raise InputError(
             f"cannot draw {n} tables from a pool of {len(entries)} under a total-size cap of {cap} bytes: "
-            f"the {n} smallest at dim {dims[0]} take {need} bytes, {need - (cap or 0)} over it")
+            f"the {n} smallest at dim {dims[0]} take {need} bytes, {need - cap} over it")
+    limit = float("inf") if cap is None else cap
     order = rng.permutation(len(entries))
     least = np.array([size(entries[int(i)], dims[0]) for i in order], dtype=np.int64)
     chosen, used = [], 0
@@ -168,7 +170,7 @@ def _draw_tables(
         rest = n - len(chosen) - 1          # tables still needed after this one
         after = least[pos + 1:]
         reserve = int(np.partition(after, rest - 1)[:rest].sum()) if rest > 0 else 0
-        fits = [x for x in dims if used + size(e, x) + reserve <= cap]
+        fits = [x for x in dims if used + size(e, x) + reserve <= limit]
         if not fits:
             continue
         d = int(rng.choice(dims))
