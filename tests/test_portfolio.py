@@ -388,6 +388,15 @@ def test_portfolio_eval_combine_joins_passes_per_task_and_refuses_a_task_twice(t
     assert bad.returncode != 0 and "task t1 (20-30x4, size_greedy) is in an earlier summary too" in bad.stderr
 
 
+def _summarize_one_setting(tmp_path, report):
+    """`portfolio_eval.py summarize`'s printed text for `report` as the run of one setting."""
+    (tmp_path / "runs" / "20-30x4").mkdir(parents=True)
+    (tmp_path / "runs" / "20-30x4" / "report.json").write_text(json.dumps(report))
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "summarize",
+                           str(tmp_path / "runs"), "--out", str(tmp_path / "s")],
+                          capture_output=True, text=True, check=True).stdout
+
+
 def test_guard_agreement_flags_a_final_measurement_in_which_plans_slowed_unevenly(tmp_path):
     """The final measurement against the guard's first round of the same plans: a task whose
     plans all slowed alike agrees (sd 0); one whose plans slowed by 1.0-1.5x is flagged, and the
@@ -416,11 +425,7 @@ def test_guard_agreement_flags_a_final_measurement_in_which_plans_slowed_unevenl
     mean = sum(logs) / 4
     assert got["stormy"] == (pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in logs) / 4)), 4)
 
-    (tmp_path / "runs" / "20-30x4").mkdir(parents=True)
-    (tmp_path / "runs" / "20-30x4" / "report.json").write_text(json.dumps(report))
-    text = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "summarize",
-                           str(tmp_path / "runs"), "--out", str(tmp_path / "s")],
-                          capture_output=True, text=True, check=True).stdout
+    text = _summarize_one_setting(tmp_path, report)
     assert "Measurement agreement (2 tasks with a guard)" in text
     assert f"- 20-30x4: stormy ({got['stormy'][0]:.3f}; portfolio worse beyond interval)" in text
     assert "calm (" not in text
@@ -462,11 +467,7 @@ def test_guard_reversals_flag_one_plan_that_moved_against_the_pair_the_guard_set
     assert m["guard_ratio"] == pytest.approx(means["size_lookup_greedy"] / means[m["pair"][1]])
     assert guard_agreement(report)["moved"][0] < 0.1  # the spread alone does not flag it
 
-    (tmp_path / "runs" / "20-30x4").mkdir(parents=True)
-    (tmp_path / "runs" / "20-30x4" / "report.json").write_text(json.dumps(report))
-    text = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "summarize",
-                           str(tmp_path / "runs"), "--out", str(tmp_path / "s")],
-                          capture_output=True, text=True, check=True).stdout
+    text = _summarize_one_setting(tmp_path, report)
     assert "every task agrees" in text
     assert "Plans that moved against each other (2 tasks with a guard of 2 or more rounds)" in text
     assert (f"- 20-30x4: moved (size_lookup_greedy/{m['pair'][1]}: guard {m['guard_ratio']:.3f} over 4 rounds, "

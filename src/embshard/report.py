@@ -114,7 +114,7 @@ def room_left(report: dict[str, Any], heuristics: Sequence[str] = HEURISTICS) ->
     return ratios
 
 
-#: guarded algorithms whose guard's first round `guard_agreement` reads, in order of preference
+#: guarded algorithms whose guard `guard_agreement` and `guard_reversals` read, in order of preference
 GUARDED = ("portfolio", "neuroshard")
 
 
@@ -130,20 +130,31 @@ def guard_agreement(report: dict[str, Any], guarded: Sequence[str] = GUARDED) ->
     fewer than 3 plans in common, are left out."""
     out: dict[str, tuple[float, int]] = {}
     for task, rows in _rows_by_task(report).items():
-        guard = next((rows[a]["guard"] for a in guarded if a in rows and (rows[a].get("guard") or {}).get("candidates")),
-                     None)
+        guard = _first_guard(rows, guarded, lambda g: bool(g.get("candidates")))
         if guard is None:
             continue
         logs = []
         for c in guard["candidates"]:
-            name = c["label"] + PICK_SUFFIX if c["label"] == "neuroshard" else c["label"]
-            r = rows.get(name)
-            if r and r["valid"] and r.get("measured_cost_ms") and c.get("measured_ms"):
+            r = _final_row(rows, c["label"])
+            if r and c.get("measured_ms"):
                 logs.append(math.log(r["measured_cost_ms"] / c["measured_ms"]))
         if len(logs) >= 3:
             out[task] = (float(np.std(logs)), len(logs))
     return out
 
+
+def _first_guard(rows: dict[str, dict], guarded: Sequence[str],
+                 usable: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+    """The guard of one task's first algorithm of `guarded` whose guard is `usable`, else None."""
+    return next((rows[a]["guard"] for a in guarded if a in rows and rows[a].get("guard") and usable(rows[a]["guard"])),
+                None)
+
+
+def _final_row(rows: dict[str, dict], label: str) -> dict[str, Any] | None:
+    """The final measurement's valid, measured result of a guard's plan `label` (NeuroShard's
+    search pick is its `neuroshard_pick` result), else None."""
+    r = rows.get(label + PICK_SUFFIX if label == "neuroshard" else label)
+    return r if r and r["valid"] and r.get("measured_cost_ms") else None
 
 
 def guard_reversals(report: dict[str, Any], guarded: Sequence[str] = GUARDED) -> dict[str, dict[str, Any]]:
@@ -158,16 +169,15 @@ def guard_reversals(report: dict[str, Any], guarded: Sequence[str] = GUARDED) ->
     out."""
     out: dict[str, dict[str, Any]] = {}
     for task, rows in _rows_by_task(report).items():
-        guard = next((rows[a]["guard"] for a in guarded if a in rows and len((rows[a].get("guard") or {}).get("rounds") or []) >= 2),
-                     None)
+        guard = _first_guard(rows, guarded, lambda g: len(g.get("rounds") or []) >= 2)
         if guard is None:
             continue
         rounds = guard["rounds"]
         paired = [label for label in rounds[0] if all(label in r for r in rounds)]
         guard_ms, final_ms = {}, {}
         for label in paired:
-            r = rows.get(label + PICK_SUFFIX if label == "neuroshard" else label)
-            if r and r["valid"] and r.get("measured_cost_ms"):
+            r = _final_row(rows, label)
+            if r:
                 guard_ms[label] = float(np.mean([rd[label] for rd in rounds]))
                 final_ms[label] = float(r["measured_cost_ms"])
         worst = None
@@ -182,6 +192,7 @@ def guard_reversals(report: dict[str, Any], guarded: Sequence[str] = GUARDED) ->
         if worst is not None:
             out[task] = worst
     return out
+
 
 def setting_reports(runs: str | os.PathLike, settings: Sequence[str],
                     more: Sequence[str | os.PathLike] = ()) -> dict[str, dict[str, Any]]:
