@@ -434,6 +434,11 @@ def test_summaries_by_setting_orders_settings_and_fills_in_an_extra_runs_algorit
     got = report.summaries_by_setting(tmp_path / "main", ["zeta"], more=[tmp_path / "batch2"])
     assert got["zeta"]["autoshard"]["tasks"] == 2 and got["zeta"]["autoshard"]["mean_ratio"] == pytest.approx(0.7)
     assert got["alpha"]["autoshard"]["tasks"] == 1
+    # a setting the main run lacks but a later batch holds is not dropped
+    write("batch3", "beta", [row("e", "size_greedy", 10.0), row("e", "autoshard", 9.0)])
+    got = report.summaries_by_setting(tmp_path / "main", ["zeta", "beta"], more=[tmp_path / "batch2", tmp_path / "batch3"])
+    assert list(got) == ["zeta", "beta", "alpha", "other"]
+    assert got["beta"]["autoshard"]["tasks"] == 1 and got["beta"]["autoshard"]["mean_ratio"] == pytest.approx(0.9)
     with pytest.raises(InputError, match="task 'a' is also in"):
         report.summaries_by_setting(tmp_path / "main", ["zeta"], more=[tmp_path / "extra"])
 

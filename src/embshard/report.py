@@ -198,24 +198,28 @@ def setting_reports(runs: str | os.PathLike, settings: Sequence[str],
                     more: Sequence[str | os.PathLike] = ()) -> dict[str, dict[str, Any]]:
     """Every `<runs>/<setting>/report.json`: the named settings first, in their order, then any
     other folder by name. `more` runs hold other tasks of the same settings (run separately,
-    e.g. a later batch): their results join the main run's, and a task both hold is an error."""
-    runs = Path(runs)
-    names = list(settings) + sorted(p.name for p in runs.iterdir() if p.is_dir() and p.name not in settings)
+    e.g. a later batch): their results join the main run's, a setting only a `more` run holds
+    counts too, and a task two runs hold is an error."""
+    folders = [Path(runs), *(Path(r) for r in more)]
+    found = {p.name for run in folders if run.is_dir() for p in run.iterdir() if p.is_dir()}
+    names = list(settings) + sorted(found - set(settings))
     reports: dict[str, dict[str, Any]] = {}
     for name in names:
-        f = runs / name / "report.json"
-        if not f.is_file():
-            continue
-        report = json.loads(f.read_text())
-        for run in more:
-            g = Path(run) / name / "report.json"
-            if g.is_file():
-                results = json.loads(g.read_text())["results"]
-                both = {r["task"] for r in report["results"]} & {r["task"] for r in results}
-                if both:
-                    raise InputError(f"{g}: task {sorted(both)[0]!r} is also in {f}; `more` runs must hold other tasks")
-                report = dict(report, results=report["results"] + results)
-        reports[name] = report
+        report: dict[str, Any] | None = None
+        for run in folders:
+            g = run / name / "report.json"
+            if not g.is_file():
+                continue
+            data = json.loads(g.read_text())
+            if report is None:
+                report, first = data, g
+                continue
+            both = {r["task"] for r in report["results"]} & {r["task"] for r in data["results"]}
+            if both:
+                raise InputError(f"{g}: task {sorted(both)[0]!r} is also in {first}; `more` runs must hold other tasks")
+            report = dict(report, results=report["results"] + data["results"])
+        if report is not None:
+            reports[name] = report
     return reports
 
 
