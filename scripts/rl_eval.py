@@ -109,7 +109,10 @@ def make_tasks(args: argparse.Namespace) -> None:
 def summarize(args: argparse.Namespace) -> None:
     runs = Path(args.runs)
     # --extra: a later pass on the same tasks, its algorithms against its own heuristics
-    summary = summaries_by_setting(runs, SETTINGS, args.extra)
+    try:
+        summary = summaries_by_setting(runs, SETTINGS, args.extra)
+    except InputError as e:
+        sys.exit(f"error: {e}")
     if not summary:
         sys.exit(f"error: no <setting>/report.json under {runs}")
     out = Path(args.out)

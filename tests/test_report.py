@@ -441,6 +441,8 @@ def test_summaries_by_setting_orders_settings_and_fills_in_an_extra_runs_algorit
     assert got["beta"]["autoshard"]["tasks"] == 1 and got["beta"]["autoshard"]["mean_ratio"] == pytest.approx(0.9)
     with pytest.raises(InputError, match="task 'a' is also in"):
         report.summaries_by_setting(tmp_path / "main", ["zeta"], more=[tmp_path / "extra"])
+    with pytest.raises(InputError, match="batch9: no such runs folder"):
+        report.summaries_by_setting(tmp_path / "main", ["zeta"], more=[tmp_path / "batch9"])
 
 
 def test_settings_markdown_rows_by_first_appearance_and_a_dash_without_tasks():

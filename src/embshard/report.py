@@ -201,7 +201,10 @@ def setting_reports(runs: str | os.PathLike, settings: Sequence[str],
     e.g. a later batch): their results join the main run's, a setting only a `more` run holds
     counts too, and a task two runs hold is an error."""
     folders = [Path(runs), *(Path(r) for r in more)]
-    found = {p.name for run in folders if run.is_dir() for p in run.iterdir() if p.is_dir()}
+    for run in folders:
+        if not run.is_dir():
+            raise InputError(f"{run}: no such runs folder")
+    found = {p.name for run in folders for p in run.iterdir() if p.is_dir()}
     names = list(settings) + sorted(found - set(settings))
     reports: dict[str, dict[str, Any]] = {}
     for name in names:
