@@ -326,9 +326,16 @@ def test_search_contenders_keep_the_plan_best_over_the_rounds_not_the_round_1_be
         NeuroShardSharder(checkpoint=None, verify_search_contenders=0)
 
 
-def test_guard_budget_stops_measuring_and_keeps_the_heuristic():
-    g, _, ev, _ = _run_guard([9.0] * 6, [10.0] * 6, verify_budget_s=0.0)
-    assert len(ev.calls) == 1 and g.decision["verdict"] == "not resolved" and g.chosen == "size_greedy"
+def test_guard_budget_bounds_only_the_rounds_beyond_the_minimum_a_verdict_needs():
+    # a budget spent before round 2 still gets the min_rounds (3) rounds every verdict needs:
+    # cut short of them, the rounds were measured for nothing and the heuristic was kept
+    # however far behind it was
+    g, plan, ev, sp = _run_guard([9.0] * 6, [10.0] * 6, verify_budget_s=0.0)
+    assert len(ev.calls) == 3 and g.decision["rounds"] == 3
+    assert g.decision["verdict"] == "better" and g.chosen == "neuroshard#1" and plan.shards == sp.shards
+    # and no more: rounds that have not resolved by then stop there, the heuristic's plan kept
+    g, plan, ev, sp = _run_guard([9.0, 11.0, 9.0, 11.0, 9.0, 11.0], [10.0] * 6, verify_budget_s=0.0)
+    assert len(ev.calls) == 3 and g.decision["verdict"] == "not resolved" and g.chosen == "size_greedy"
 
 
 def test_guard_replay_keeps_what_every_recorded_guard_kept_under_its_own_interval():

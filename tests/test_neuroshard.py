@@ -362,6 +362,26 @@ def test_beam_is_skipped_for_huge_tasks_but_splits_still_rescue():
     assert s.last_stats["beam"] is True and s.last_stats["greedy_runs"] > 1
 
 
+def test_row_splits_never_leave_a_device_an_empty_block():
+    """TorchRec's even row layout of 114 rows over 16 devices is 14 blocks of 8, one of 2 and
+    one EMPTY; the beam used to offer that split for a small, lookup-heavy table, and the empty
+    block's piece stopped NeuroShard with "rows must be a positive integer, got 0" (a user-style
+    task of 30 tables on 16 devices). Such a split is no longer offered; one that fills every
+    block still is."""
+    from embshard.search.pieces import row_splittable
+
+    assert not row_splittable(114, 16) and not row_splittable(120, 16) and not row_splittable(3, 4)
+    assert row_splittable(121, 16) and row_splittable(128, 16) and row_splittable(4, 4)
+    for hot_rows, splittable in ((114, False), (128, True)):
+        tables = [Table("hot", hot_rows, 64, 150.0)] + [Table(f"t{i}", 1000, 8, 1.0) for i in range(20)]
+        task = make_task(tables, 16, slack=2.0)
+        search = NeuroShardSearch(task, Simulator(AnalyticPredictor(batch_size=task.batch_size)), column_wise=False)
+        assert bool(search.row_groups_for(task.table_by_name["hot"])) is splittable
+        plan = sharder(column_wise=False, beam_max_work=None).shard(task)
+        validate(task, plan)
+        assert all(s.rows > 0 for s in plan.shards)
+
+
 # ----------------------------------------------------------------------------- checkpoint, config
 def test_missing_checkpoint_is_an_error_never_a_fallback():
     task = make_task([Table("a", 1000, 8, 1.0), Table("b", 1000, 16, 2.0)], 2)

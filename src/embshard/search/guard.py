@@ -8,7 +8,9 @@ heuristic (H). Later rounds measure S and the heuristics within `margin` of H (`
 in all), paired and interleaved; H is then the contender with the lowest mean over the rounds
 (one round cannot tell heuristics a few percent apart). They go on until the 95% interval
 of the mean per-round ratio S/H excludes 1 (at least `min_rounds` rounds), the rounds
-reach `max_rounds`, or the paired rounds pass `budget_s`. S is returned when the
+reach `max_rounds`, or, once `min_rounds` rounds are done, the paired rounds pass `budget_s`
+(no verdict comes before `min_rounds`, so rounds cut short of it would be measured for
+nothing: on a heavy task one round can take minutes). S is returned when the
 interval lies below 1; otherwise (worse, or not resolved) H's plan is: the guard never trades
 a known plan for a coin toss. `GuardResult` is what report.json's `guard` holds.
 
@@ -143,7 +145,8 @@ class MeasuredGuard:
     Args:
         heuristics: baselines (conf/search names) whose plans the guard measures too.
         visits: interleaved visits per measuring round (None: the evaluator's protocol's).
-        budget_s: seconds of paired rounds after round 1, at most (a round begun finishes).
+        budget_s: seconds of paired rounds after round 1, at most, beyond the `min_rounds`
+            rounds every decision needs (those always run; a round begun finishes).
         min_rounds, max_rounds: rounds before a decision / at most.
         contenders, margin: how many heuristics' plans stay in the paired rounds: the round-1
             best and the next ones within `margin` (relative) of it, `contenders` in all. One
@@ -261,7 +264,8 @@ class MeasuredGuard:
                     return min(searchers, key=lambda i: (float(np.mean([r[labelled[i][0]] for r in rounds])), i))
 
                 outcome = decide(rounds, labelled[s][0], by_index, self.min_rounds, self.interval)  # round 1 alone
-                while len(rounds) < self.max_rounds and time.perf_counter() < deadline:
+                while len(rounds) < self.max_rounds and (len(rounds) < self.min_rounds
+                                                         or time.perf_counter() < deadline):
                     measured_now = (*searchers, *stay)
                     costs = evaluator.measure_many(task, [labelled[i][2] for i in measured_now], visits=self.visits)
                     rounds.append({labelled[i][0]: c.plan_cost_ms for i, c in zip(measured_now, costs)})

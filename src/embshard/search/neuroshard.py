@@ -58,7 +58,8 @@ from embshard.search.base import Capabilities
 from embshard.search.greedy import (DEFAULT_CAPS, GRID_MAX_WORK, INCREMENTAL_MIN_DEVICES, MAX_CANDIDATE_DEVICES,
                                     Candidate, GreedyPartitioner, GreedyResult)
 from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_sharders
-from embshard.search.pieces import FREE, PieceBook, PieceSpec, halvable, halve, initial_state, row_split
+from embshard.search.pieces import (FREE, PieceBook, PieceSpec, halvable, halve, initial_state, row_split,
+                                    row_splittable)
 from embshard.search.simulator import Simulator, scale_costs
 from embshard.tables import Table
 from embshard.task import Task
@@ -144,15 +145,19 @@ class NeuroShardSearch:
     def row_groups_for(self, table: Table) -> list[tuple[int, ...]]:
         """The device groups a table may be split by rows over, as its `sharding_types` allow:
         one host's devices (table_row_wise; with one host, the same as row_wise), or, for a
-        table allowed row_wise but not table_row_wise on several hosts, all devices."""
+        table allowed row_wise but not table_row_wise on several hosts, all devices. Only groups
+        whose even row blocks are all non-empty (`row_splittable`): TorchRec's layout would leave
+        a device of a larger group an empty block (114 rows over 16 devices)."""
         if not self.row_wise:
             return []
         if len(self.row_groups) == 1:
             ok = table.allows("row_wise") or table.allows("table_row_wise")
-            return list(self.row_groups) if ok else []
-        if table.allows("table_row_wise"):
-            return list(self.row_groups)
-        return [tuple(range(self.task.num_devices))] if table.allows("row_wise") else []
+            groups = list(self.row_groups) if ok else []
+        elif table.allows("table_row_wise"):
+            groups = list(self.row_groups)
+        else:
+            groups = [tuple(range(self.task.num_devices))] if table.allows("row_wise") else []
+        return [g for g in groups if row_splittable(table.rows, len(g))]
 
     def initial_state(self) -> tuple[PieceSpec, ...]:
         return initial_state(self.task)
@@ -204,7 +209,7 @@ class NeuroShardSearch:
                 out[halve(state, p.spec)] = None
         if self.row_wise and self.task.num_devices > 1:
             split = {p.spec[0] for p in pieces if p.dim != p.table.dim}
-            whole = [p for p in pieces if p.spec[0] not in split and p.table.rows >= len(self.row_groups[0])]
+            whole = [p for p in pieces if p.spec[0] not in split]
             for p in sorted(whole, key=lambda p: (-p.single_ms, p.spec))[: self.candidates]:
                 for group in self.row_groups_for(p.table):
                     out[row_split(state, p.spec, group)] = None

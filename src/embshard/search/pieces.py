@@ -66,8 +66,15 @@ def halve(state: tuple[PieceSpec, ...], spec: PieceSpec) -> tuple[PieceSpec, ...
     return tuple(sorted(rest))
 
 
+def row_splittable(rows: int, parts: int) -> bool:
+    """Whether TorchRec's even row layout of `rows` over `parts` devices leaves no device an
+    empty block (114 rows over 16 devices: blocks of 8, the last two 2 and 0 rows)."""
+    return parts >= 1 and all(n > 0 for _, n in even_row_layout(rows, parts))
+
+
 def row_split(state: tuple[PieceSpec, ...], spec: PieceSpec, group: Sequence[int]) -> tuple[PieceSpec, ...]:
-    """`state` with the whole table `spec` split by rows over the devices of `group`."""
+    """`state` with the whole table `spec` split by rows over the devices of `group` (every
+    block non-empty: `row_splittable`)."""
     name, off, dim, dev, _ = spec
     if dev != FREE or off != 0:
         raise ValueError(f"only a whole table can be split by rows: {spec}")
