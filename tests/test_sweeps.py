@@ -30,7 +30,13 @@ def test_sweep_builds_the_agent_command(path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_one_cost_model_trial_runs_offline(tmp_path, monkeypatch):
+    """A real collection, then one trial of sweeps/cost_models.yaml on it (about a minute: in
+    `make test-e2e`). `make test` covers its parts: the collector on real kernels
+    (test_collect), pre-training judged on the collector's held-out tables (test_pretrain_split),
+    this sweep file's agent command (test_sweep_builds_the_agent_command) and a trial run offline
+    end to end (test_rl_cli's RL sweep trial)."""
     env = dict(os.environ, WANDB_MODE="offline")
     data = tmp_path / "costdata"
     collect = subprocess.run(

@@ -52,6 +52,10 @@ def refuse_unknown_keys(argv: Sequence[str], config_dir: Path, config_name: str,
 
     # planners added under new names (+search@searchers.NAME=...: refuse_additions judged them)
     added = [arg for arg in argv if arg.startswith("+search@searchers.")]
+    # the common case first: every override composes, so Hydra knows every key (its configs are
+    # struct) and there is nothing to judge; one composition, not two, before Hydra's own
+    if composed([arg for arg in argv if not arg.startswith("-")]) is not None:
+        return
     cfg = composed(added)
     if cfg is None:
         return
