@@ -145,39 +145,23 @@ def _train(tmp_path, *overrides: str, env: dict | None = None) -> subprocess.Com
                           cwd=tmp_path, timeout=600, env={**os.environ, "WANDB_MODE": "offline", **(env or {})})
 
 
-def _train_in_process(capsys, *overrides: str) -> tuple[int, list[str]]:
-    """train.py's run under its one-line error handler, in this process (a refusal before any
-    work: a subprocess would only add its imports): the exit status and the stderr lines."""
-    import train
-    from hydra import compose, initialize_config_dir
-
-    from embshard.cli import one_line_errors
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=list(overrides))
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as done:
-        one_line_errors(train.run, cfg)
-    return done.value.code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-
-
-def test_emulated_cluster_refuses_a_task_of_other_than_two_hosts(tmp_path, monkeypatch, capsys):
+def test_emulated_cluster_refuses_a_task_of_other_than_two_hosts(tmp_path, monkeypatch, refused_in_process):
     monkeypatch.delenv("RANK", raising=False)
-    code, err = _train_in_process(capsys, "stage=sequence_throughput", "experiment=flexshard_tiny", "cluster=emulated",
-                                  "sequence.task.hosts=1", "sequence.task.devices_per_host=4",
-                                  f"sequence.trace.path={tmp_path / 'trace.pt'}", f"out_dir={tmp_path / 'out'}")
+    code, err = refused_in_process("stage=sequence_throughput", "experiment=flexshard_tiny", "cluster=emulated",
+                                   "sequence.task.hosts=1", "sequence.task.devices_per_host=4",
+                                   f"sequence.trace.path={tmp_path / 'trace.pt'}", f"out_dir={tmp_path / 'out'}")
     assert code == 2 and len(err) == 1 and "joins two hosts" in err[0], err
     assert not (tmp_path / "out").exists()
 
 
-def test_where_namespaces_cannot_be_made_one_line_error(tmp_path, monkeypatch, capsys):
+def test_where_namespaces_cannot_be_made_one_line_error(tmp_path, monkeypatch, refused_in_process):
     """No `ip` on PATH and cluster.on_unavailable=error: one error line, exit 2, nothing written."""
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("PATH", os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
                                                 if not (Path(p) / "ip").exists()))
-    code, err = _train_in_process(capsys, "stage=sequence_throughput", "experiment=flexshard_tiny", "cluster=emulated",
-                                  f"sequence.trace.path={tmp_path / 'trace.pt'}", "cluster.on_unavailable=error",
-                                  f"out_dir={tmp_path / 'refused'}")
+    code, err = refused_in_process("stage=sequence_throughput", "experiment=flexshard_tiny", "cluster=emulated",
+                                   f"sequence.trace.path={tmp_path / 'trace.pt'}", "cluster.on_unavailable=error",
+                                   f"out_dir={tmp_path / 'refused'}")
     assert code == 2 and len(err) == 1 and "iproute2" in err[0], err
     assert not (tmp_path / "refused").exists()
 

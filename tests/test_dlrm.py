@@ -296,32 +296,16 @@ def _python(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def _refused_in_process(capsys, *overrides: str) -> tuple[int, list[str]]:
-    """train.py's run under its one-line error handler, in this process (for refusals that come
-    before any work, where a subprocess would only add its imports): exit status, stderr lines."""
-    import train
-    from hydra import compose, initialize_config_dir
-
-    from embshard.cli import one_line_errors
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=list(overrides))
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as done:
-        one_line_errors(train.run, cfg)
-    return done.value.code, capsys.readouterr().err.strip().splitlines()
-
-
 @pytest.mark.parametrize("content", [None, '{"task": "tiny", "algorithm": "x", "shards": [', "[1, 2]"])
-def test_missing_or_malformed_plan_file_one_line_error(tiny_task, tmp_path, content, monkeypatch, capsys):
+def test_missing_or_malformed_plan_file_one_line_error(tiny_task, tmp_path, content, monkeypatch, refused_in_process):
     """train.py's run under its error handler, in this process (the refusal comes before any
     work; test_mismatched_plan_rejected_before_process_group runs one through torchrun)."""
     plan = tmp_path / "plan.json"
     if content is not None:
         plan.write_text(content)
     monkeypatch.chdir(tmp_path)
-    code, lines = _refused_in_process(capsys, "stage=dlrm", *TINY, f"dlrm.task_file={tiny_task / 'task.json'}",
-                                      f"dlrm.plan={plan}", f"out_dir={tmp_path / 'run'}")
+    code, lines = refused_in_process("stage=dlrm", *TINY, f"dlrm.task_file={tiny_task / 'task.json'}",
+                                     f"dlrm.plan={plan}", f"out_dir={tmp_path / 'run'}")
     assert code == 2
     assert len(lines) == 1 and lines[0].startswith("error: ") and "plan.json" in lines[0], lines
     assert not (tmp_path / "run").exists()
@@ -403,7 +387,7 @@ def test_interleaving_rotates_order_and_feeds_every_plan_the_same_batches():
     assert len(session.logged) == 9 and "throughput/a/samples_per_s" in session.logged[0][1]
 
 
-def test_dlrm_task_stage_filters_the_pool(tmp_path, monkeypatch, capsys):
+def test_dlrm_task_stage_filters_the_pool(tmp_path, monkeypatch, refused_in_process):
     data = tmp_path / "syn.pt"
     common = ["experiment=e2e_tiny", f"dataset.path={data}", "dataset.num_tables=24", "dataset.batch_size=256"]
     r = _python(["stage=dlrm_task", *common, "dlrm.task.num_tables=5", "dlrm.task.min_pooling_factor=2",
@@ -413,8 +397,8 @@ def test_dlrm_task_stage_filters_the_pool(tmp_path, monkeypatch, capsys):
     assert len(task.tables) == 5 and task.num_devices == 2 and task.batch_size == 64
     assert all(t.pooling_factor >= 2 and t.rows <= 100000 and t.trace is not None for t in task.tables)
     monkeypatch.chdir(tmp_path)
-    code, lines = _refused_in_process(capsys, "stage=dlrm_task", *common, "dlrm.task.num_tables=5",
-                                      "dlrm.task.min_pooling_factor=1000", f"out_dir={tmp_path / 'none'}")
+    code, lines = refused_in_process("stage=dlrm_task", *common, "dlrm.task.num_tables=5",
+                                     "dlrm.task.min_pooling_factor=1000", f"out_dir={tmp_path / 'none'}")
     assert code == 2 and len(lines) == 1
     assert lines[0].startswith("error: the dataset has 0 tables with pooling factor >= 1000")
     assert not (tmp_path / "none").exists()
