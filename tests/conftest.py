@@ -11,20 +11,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def refused_in_process(capsys):
-    """train.py's run under its one-line error handler, in this process, for refusals that come
-    before any work (a subprocess would only add its imports of torch): call it with train.py's
-    overrides; it returns the exit status and the non-empty stderr lines."""
-    def run(*overrides: str) -> tuple[int, list[str]]:
-        import train
+    """An entry point's run under its one-line error handler, in this process, for refusals that
+    come before any work (a subprocess would only add its imports of torch): call it with the
+    overrides (`entry="shard"` for shard.py; train.py by default); it returns the exit status and
+    the non-empty stderr lines. Each entry point's own process is still checked by
+    tests/test_no_silent_fallbacks.py and the subprocess runs of test_shard_cli and test_train_cli."""
+    def run(*overrides: str, entry: str = "train") -> tuple[int, list[str]]:
+        import importlib
+
         from hydra import compose, initialize_config_dir
 
         from embshard.cli import one_line_errors
 
+        module = importlib.import_module(entry)
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose(config_name="train", overrides=list(overrides))
+            cfg = compose(config_name=entry, overrides=list(overrides))
         capsys.readouterr()
         with pytest.raises(SystemExit) as done:
-            one_line_errors(train.run, cfg)
+            one_line_errors(module.run, cfg)
         return done.value.code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
     return run
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow (real processes, kernel timings) run first: pytest-xdist hands the
+    workers tests in this order, so the long ones no longer end the run on one busy core while
+    the other waits. The order among the slow ones and among the rest is the files' own."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -275,18 +274,32 @@ def test_throughput_two_processes(tiny_task, tmp_path):
     assert set(lookup) == {"mixed", "pile_up"} and all(len(v) == 2 and min(v) >= 0 for v in lookup.values())
 
 
-@pytest.mark.slow
-def test_mismatched_plan_rejected_before_process_group(tiny_task, tmp_path):
+def test_mismatched_plan_rejected_before_process_group(tiny_task, tmp_path, monkeypatch, refused_in_process):
+    """Each rank of a 2-process torchrun refuses a plan that does not fit the model's task before
+    its process group starts, so no rank is left waiting in a collective. Run here as each rank in
+    turn (torchrun's environment set; train.py's run under its handler, in this process): starting
+    the session (Fabric's launch, the process group) fails the test. The real 2-process runs are
+    test_train_under_exported_plan_two_processes and test_throughput_two_processes."""
+    import torch.distributed as dist
+
+    import dlrm.runner
+
+    def no_process_group(*args, **kwargs):
+        raise AssertionError("the process group was started before the plan was checked")
+
+    monkeypatch.setattr(dlrm.runner.Session, "__init__", no_process_group)
+    monkeypatch.setattr(dist, "init_process_group", no_process_group)
     other = small_task(dims=(8, 16, 8), batch=64, name="tiny")  # t0-t2 match; the model also has t3
     GreedySharder("size").shard(other).save(tmp_path / "other.json")
-    start = time.monotonic()
-    r = _torchrun(["stage=dlrm", *TINY, f"dlrm.task_file={tiny_task / 'task.json'}",
-                   f"dlrm.plan={tmp_path / 'other.json'}", f"out_dir={tmp_path / 'run'}"], tmp_path, timeout=120)
-    assert r.returncode != 0
-    assert time.monotonic() - start < 90  # no rank left waiting in a collective
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2 and "does not fit the model's task" in errors[0] and "t3" in errors[0]
-    assert "Initializing distributed" not in r.stderr + r.stdout
+    for rank in (0, 1):
+        for key, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2,
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}.items():
+            monkeypatch.setenv(key, str(value))
+        code, lines = refused_in_process("stage=dlrm", *TINY, f"dlrm.task_file={tiny_task / 'task.json'}",
+                                         f"dlrm.plan={tmp_path / 'other.json'}", f"out_dir={tmp_path / 'run'}")
+        assert code != 0, (rank, lines)
+        assert lines[-1].startswith("error: ") and "does not fit the model's task" in lines[-1] and "t3" in lines[-1]
+        assert not dist.is_initialized()
     assert not (tmp_path / "run").exists()
 
 

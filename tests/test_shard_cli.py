@@ -77,29 +77,37 @@ def test_infeasible_task_is_reported_not_dropped(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "content, overrides, message",
+    "content, overrides, message, process",
     [
-        ('{"name": ', [], "malformed JSON"),
-        (None, [], "no such file"),
-        ('{"name": "x", "num_devices": 0, "device_memory_bytes": 1, "batch_size": 1, "tables": []}', [], "num_devices"),
-        ('{"name": "x", "num_devices": 2, "device_memory_bytes": 9999, "batch_size": 1, "tables": [{"name": "a", "rows": -3, "dim": 4, "pooling_factor": 1}]}', [], "rows"),
-        ('{"name": "x", "num_devices": 2, "device_memory_bytes": 9999, "batch_size": 1, "tables": [{"name": "a", "rows": 3, "dim": 5, "pooling_factor": 1}]}', [], "multiple of 4"),
-        ("VALID", ["algorithms=[size_greedy,nope]"], "unknown algorithm"),
-        ("VALID", ["evaluate=sometimes"], "evaluate must be"),
+        ('{"name": ', [], "malformed JSON", True),  # one through shard.py's own process
+        (None, [], "no such file", False),
+        ('{"name": "x", "num_devices": 0, "device_memory_bytes": 1, "batch_size": 1, "tables": []}', [], "num_devices", False),
+        ('{"name": "x", "num_devices": 2, "device_memory_bytes": 9999, "batch_size": 1, "tables": [{"name": "a", "rows": -3, "dim": 4, "pooling_factor": 1}]}', [], "rows", False),
+        ('{"name": "x", "num_devices": 2, "device_memory_bytes": 9999, "batch_size": 1, "tables": [{"name": "a", "rows": 3, "dim": 5, "pooling_factor": 1}]}', [], "multiple of 4", False),
+        ("VALID", ["algorithms=[size_greedy,nope]"], "unknown algorithm", False),
+        ("VALID", ["evaluate=sometimes"], "evaluate must be", False),
     ],
 )
-def test_bad_input_one_line_error_exit_2_nothing_written(tmp_path, content, overrides, message):
+def test_bad_input_one_line_error_exit_2_nothing_written(tmp_path, content, overrides, message, process,
+                                                         refused_in_process):
+    """Bad input: exit 2 (docs/usage.md), one line, nothing written. The first case runs shard.py's
+    own process; the others its run under the same handler in this process (no torch to import)."""
     path = tmp_path / "task.json"
     if content == "VALID":
         small_task(path)
     elif content is not None:
         path.write_text(content)
     out = tmp_path / "out"
-    proc = run_shard(f"task_file={path}", "evaluate=none", f"out_dir={out}", *overrides)
-    assert proc.returncode == 2, proc.stderr  # docs/usage.md: exit status 2 for bad input
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr
-    assert "Traceback" not in proc.stderr
+    args = (f"task_file={path}", "evaluate=none", f"out_dir={out}", *overrides)
+    if process:
+        proc = run_shard(*args)
+        code, lines = proc.returncode, [l for l in proc.stderr.splitlines() if l.strip()]
+        assert "Traceback" not in proc.stderr
+    else:
+        code, lines = refused_in_process(*args, entry="shard")
+        assert not any("Traceback" in line for line in lines)
+    assert code == 2, lines
+    assert lines[-1].startswith("error: ") and message in lines[-1], lines
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == (["task.json"] if content is not None else [])
 

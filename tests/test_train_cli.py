@@ -51,7 +51,7 @@ def test_dreamshard_stage_splits_tables(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["truncated", "wrong_shape", "missing"])
-def test_bad_dataset_file_one_line_error_nothing_written(tmp_path, kind):
+def test_bad_dataset_file_one_line_error_nothing_written(tmp_path, kind, refused_in_process):
     import torch
 
     path = tmp_path / "bad.pt.gz"
@@ -65,10 +65,10 @@ def test_bad_dataset_file_one_line_error_nothing_written(tmp_path, kind):
         with gzip.open(path, "wb") as f:
             torch.save((torch.arange(10), torch.arange(5)), f)
     out = tmp_path / "out"
-    proc = run_train("stage=pool", "dataset=dlrm_2021", f"dataset.path={path}", f"out_dir={out}")
-    assert proc.returncode == 2, proc.stderr  # bad input: exit 2 (embshard.cli.one_line_errors)
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert lines[-1].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    # train.py's run under its handler in this process (its own process: test_no_silent_fallbacks)
+    code, lines = refused_in_process("stage=pool", "dataset=dlrm_2021", f"dataset.path={path}", f"out_dir={out}")
+    assert code == 2, lines  # bad input: exit 2 (embshard.cli.one_line_errors)
+    assert lines[-1].startswith("error: ") and not any("Traceback" in line for line in lines), lines
     assert not out.exists()
 
 
