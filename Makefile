@@ -26,17 +26,20 @@ demo: $(STAMP)
 	$(PY) shard.py
 
 # two pytest workers (pytest-xdist): many slow tests are subprocesses that spend seconds importing
-# torch and torchrec on one core each; PYTEST_WORKERS=0 runs them in this process.
+# torch and torchrec on one core each; PYTEST_WORKERS=0 runs them in this process. worksteal: a
+# worker that runs out takes the other's pending tests (the default hands each worker a fixed
+# first batch, and the slow ones, which tests/conftest.py puts first, all landed on one).
 PYTEST_WORKERS ?= 2
+PYTEST_DIST := $(if $(filter 0,$(PYTEST_WORKERS)),,--dist worksteal)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not e2e"
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_DIST) -m "not e2e"
 
 # The long end-to-end runs `make test` leaves out (marked e2e: each repeats, at full size, a path
 # a faster test in `make test` covers: FlexShard on the emulated cluster with 2 x 2 processes, the
 # TorchRec DLRM example; about 35 s here). Not part of CI.
 test-e2e: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m e2e
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_DIST) -m e2e
 
 clean:
 	rm -rf $(VENV) outputs multirun mutants

@@ -35,7 +35,9 @@ def refused_in_process(capsys):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked slow (real processes, kernel timings) run first: pytest-xdist hands the
-    workers tests in this order, so the long ones no longer end the run on one busy core while
-    the other waits. The order among the slow ones and among the rest is the files' own."""
+    """Tests marked slow (real processes, kernel timings) run first, so no long one is left to
+    end the run on one core while the other waits. With `make test`'s `--dist worksteal` the
+    worker given them runs them one after another while the other runs the fast ones and then
+    takes what is still pending (one multi-process test at a time, not two on 2 cores). The
+    order among the slow ones and among the rest is the files' own."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

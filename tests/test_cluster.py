@@ -193,6 +193,7 @@ def test_loopback_fallback_says_so_and_keeps_the_host_layout(tmp_path, monkeypat
                                                                               "needs root (CAP_NET_ADMIN)"}
 
 
+@pytest.mark.slow
 def test_launch_on_loopback_runs_one_torchrun_per_host(tmp_path):
     script = tmp_path / "who.py"
     script.write_text(textwrap.dedent(f"""

@@ -70,6 +70,7 @@ def inputs(samples):
     return out
 
 
+@pytest.mark.slow
 # ----------------------------------------------------------------------------- real measurement
 def test_collects_real_compute_and_comm_samples(tmp_path):
     cfg = tiny(comm={"num_samples": 2, "chunk_size": 2, "min_devices": 3, "max_devices": 3, "max_delay_ms": 30.0})

@@ -324,6 +324,7 @@ def test_missing_or_malformed_plan_file_one_line_error(tiny_task, tmp_path, cont
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_single_process_run_on_criteo_tsv(tmp_path):
     """One process (no torchrun): a 1-device task trained on a Criteo TSV, several epochs. Every
     label in the file is 0, so each optimizer step on the file's samples moves the model towards

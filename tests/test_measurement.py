@@ -58,17 +58,14 @@ def test_measuring_process_pins_fixes_threads_and_restores():
     assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads
 
 
-def _report_affinity(index, cores, q):
-    set_worker_process(MeasurementProtocol(threads=1), index, cores)
-    q.put((index, sorted(os.sched_getaffinity(0))))
-
-
 @pytest.mark.slow
 def test_spawned_workers_pin_round_robin_over_the_callers_cores():
+    from _affinity_worker import report_affinity
+
     cores = allowed_cores()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_report_affinity, args=(i, cores, q)) for i in range(3)]
+    procs = [ctx.Process(target=report_affinity, args=(i, cores, q)) for i in range(3)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=60) for _ in procs)

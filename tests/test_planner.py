@@ -296,6 +296,7 @@ def test_example_trains_torchrecs_dlrm_on_two_processes(tmp_path):
     assert {s.replica for s in plan.shards if s.table == "t_cat_6"} == {0, 1}
 
 
+@pytest.mark.slow
 def test_shard_py_plans_constrained_tasks_and_evaluates_plan_files(tmp_path):
     """A task JSON with constraints is planned by shard.py's algorithms within them, and a plan
     file made elsewhere (as EmbShardPlanner(out_dir=...) writes it) is a row of its own, taken as

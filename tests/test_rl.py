@@ -206,6 +206,9 @@ SHIPPED = {"dreamshard": ROOT / "checkpoints" / "dreamshard_cpu" / "policy.pt",
            "autoshard": ROOT / "checkpoints" / "autoshard_cpu" / "policy.pt"}
 
 
+_SHARDERS: dict = {}
+
+
 @settings(max_examples=40, deadline=None)
 @given(task=feasible_task_st())
 def test_random_feasible_tasks_always_get_valid_plans(trained, task):
@@ -215,8 +218,10 @@ def test_random_feasible_tasks_always_get_valid_plans(trained, task):
     packs = first_fit_decreasing_packs(task)
     for algorithm, cls in SHARDERS.items():
         for checkpoint in (trained[algorithm]["path"], SHIPPED[algorithm]):
+            key = (algorithm, str(checkpoint))  # loaded once for all examples (each plans afresh)
+            sharder = _SHARDERS.setdefault(key, cls(checkpoint=str(checkpoint), samples=2))
             try:
-                plan = cls(checkpoint=str(checkpoint), samples=2).shard(task)
+                plan = sharder.shard(task)
             except InfeasibleError as e:
                 assert not packs, f"{algorithm} ({checkpoint}) missed a plan first-fit decreasing finds: {e}"
                 assert e.shortfall_bytes > 0

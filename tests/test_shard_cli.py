@@ -38,6 +38,7 @@ def run_shard(*overrides: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_contract_outputs_with_estimated_costs(tmp_path):
     task = small_task(tmp_path / "task.json")
     out = tmp_path / "out"
@@ -64,6 +65,7 @@ def test_several_tasks_from_a_folder(tmp_path):
     assert (out / "plans" / "a" / "size_greedy.json").is_file() and (out / "plans" / "b" / "random.json").is_file()
 
 
+@pytest.mark.slow
 def test_infeasible_task_is_reported_not_dropped(tmp_path):
     task = small_task(tmp_path / "task.json")
     tight = Task(task.name, 2, task.table_memory_bytes(task.tables[-1]) - 10, task.batch_size, task.tables)

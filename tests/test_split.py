@@ -4,8 +4,6 @@ and the refusal of a test task that holds a table a planner was trained or tuned
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -96,7 +94,19 @@ def test_rl_stage_trains_on_train_tables_and_validates_on_validation_tables(pool
     assert val and all(key_of(t) in keys["validation"] for task in val for t in task.tables)
 
 
-def test_portfolio_eval_refuses_tasks_holding_a_checkpoints_tables(pool, tmp_path):
+def _portfolio_eval(monkeypatch, *args: str) -> None:
+    """scripts/portfolio_eval.py's main with these arguments, in this process (the script only
+    parses them and calls the package; a process of its own would only add imports)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("portfolio_eval", ROOT / "scripts" / "portfolio_eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["portfolio_eval.py", *args])
+    module.main()
+
+
+def test_portfolio_eval_refuses_tasks_holding_a_checkpoints_tables(pool, tmp_path, monkeypatch):
     """A checkpoint whose data card says it trained on the split's test tables: the evaluation
     writes no task and says which table."""
     s = TableSplit.of_pool(pool, 0.25, 0.25, seed=0)
@@ -106,17 +116,16 @@ def test_portfolio_eval_refuses_tasks_holding_a_checkpoints_tables(pool, tmp_pat
     ckpt = tmp_path / "policy.pt"
     torch.save({"format": "embshard-rl-policy", "data_card": {"split": card_split}}, ckpt)
     out = tmp_path / "tasks"
-    env = dict(os.environ, WANDB_MODE="offline")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "tasks", "--dataset", str(pool),
-                           "--checkpoints", str(ckpt), "--num-tasks", "1", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode != 0
-    last = proc.stderr.strip().splitlines()[-1]
+    with pytest.raises(SystemExit) as refused:
+        _portfolio_eval(monkeypatch, "tasks", "--dataset", str(pool), "--checkpoints", str(ckpt), "--num-tasks", "1",
+                        "--out", str(out))
+    last = str(refused.value.code)  # sys.exit("error: ..."): printed as one line, exit status 1
+    assert "\n" not in last
     assert last.startswith("error: task ") and "was trained or tuned on by" in last and str(ckpt) in last
     assert not list(out.glob("*/*.json"))
 
 
-def test_portfolio_eval_validation_tasks_hold_validation_tables_only(pool, tmp_path):
+def test_portfolio_eval_validation_tasks_hold_validation_tables_only(pool, tmp_path, monkeypatch):
     """--split validation: tasks (pv-*) of the split's validation tables, where checkpoints and
     switches are chosen; the default stays the test tables (pe-*)."""
     from embshard.task import load_tasks
@@ -125,11 +134,8 @@ def test_portfolio_eval_validation_tasks_hold_validation_tables_only(pool, tmp_p
     keys = {k: set(v) for k, v in s.keys.items()}
     for split, prefix in (("validation", "pv-"), ("test", "pe-")):
         out = tmp_path / split
-        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "portfolio_eval.py"), "tasks", "--dataset", str(pool),
-                               "--checkpoints", "--num-tasks", "2", "--split", split, "--max-total-bytes", str(1 << 40),
-                               "--out", str(out)],
-                              capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"), timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        _portfolio_eval(monkeypatch, "tasks", "--dataset", str(pool), "--checkpoints", "--num-tasks", "2",
+                        "--split", split, "--max-total-bytes", str(1 << 40), "--out", str(out))
         tasks = [t for d in sorted(out.iterdir()) if d.is_dir() for t in load_tasks(d)]
         assert len(tasks) == 12 and all(t.name.startswith(prefix) for t in tasks)
         assert all(key_of(tb) in keys[split] for t in tasks for tb in t.tables)

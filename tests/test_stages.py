@@ -46,6 +46,7 @@ def test_a_stage_is_given_only_what_it_reads(tmp_path):
     assert out_dir(stage_view(moved)).parent == tmp_path / "train" / "pretrain"
 
 
+@pytest.mark.slow
 def test_cfg_job_help_and_unknown_stage():
     def train(*args):
         return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True,

@@ -23,6 +23,7 @@ def run_train(*overrides: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_tasks_stage_writes_valid_tasks_and_config(tmp_path):
     data = tmp_path / "syn.pt"
     out = tmp_path / "tasks"
@@ -38,11 +39,16 @@ def test_tasks_stage_writes_valid_tasks_and_config(tmp_path):
 
 
 def test_dreamshard_stage_splits_tables(tmp_path):
+    """The stage's run in this process (train.py's own process: the test above)."""
+    import train
+
     out = tmp_path / "ds"
-    proc = run_train("stage=tasks", "task=dreamshard", f"dataset.path={tmp_path / 'syn.pt'}", "dataset.num_tables=60",
-                     "dataset.batch_size=256", "task.num_train_tasks=2", "task.num_test_tasks=2", "task.min_tables=8",
-                     "task.max_tables=8", f"out_dir={out}")
-    assert proc.returncode == 0, proc.stderr
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "stage=tasks", "task=dreamshard", f"dataset.path={tmp_path / 'syn.pt'}", "dataset.num_tables=60",
+            "dataset.batch_size=256", "task.num_train_tasks=2", "task.num_test_tasks=2", "task.min_tables=8",
+            "task.max_tables=8", f"out_dir={out}", "progress=false"])
+    train.run(cfg)
     split = json.loads((out / "split.json").read_text())
     train_tables = {tb.name for p in (out / "train").glob("*.json") for tb in Task.load(p).tables}
     test_tables = {tb.name for p in (out / "test").glob("*.json") for tb in Task.load(p).tables}
