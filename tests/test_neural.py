@@ -404,3 +404,21 @@ def test_per_task_kendall_taus_never_mixes_tasks():
     # Tasks keyed by (report, name): same names in two reports stay apart.
     rows2 = [{**r, "task": (0, r["task"])} for r in rows[:3]] + [{**r, "task": (1, "a")} for r in rows[3:5]]
     assert per_task_kendall_taus(rows2, "m", "p") == [1.0, -1.0]
+
+
+def test_an_objective_without_a_value_is_nan_and_says_why():
+    """A validation set of fewer than two samples (a tiny collection) has no Kendall tau: the
+    objective is nan, never a lookup error or a silent number, and the reason names the set."""
+    from embshard.costs.pretrain import _objective, _undefined_objective, regression_metrics
+
+    one = {"compute": {"val": regression_metrics(np.array([2.0]), np.array([1.0]))}}
+    empty = {"compute": {"val": regression_metrics(np.array([]), np.array([]))}}
+    flat = {"compute": {"val": regression_metrics(np.array([1.0, 2.0, 3.0]), np.array([5.0, 5.0, 5.0]))}}
+    for metrics, n in ((one, 1), (empty, 0)):
+        assert math.isnan(_objective(metrics, "compute/val/kendall_tau"))
+        why = _undefined_objective(metrics, "compute/val/kendall_tau")
+        assert f"compute/val has {n} sample(s)" in why and "at least 2" in why
+    assert math.isnan(_objective(flat, "compute/val/kendall_tau"))  # constant predictions: tau undefined
+    assert "(3 samples) gives no value" in _undefined_objective(flat, "compute/val/kendall_tau")
+    with pytest.raises(InputError, match="is not a metric"):
+        _objective(one, "compute/val/kendal_tau")

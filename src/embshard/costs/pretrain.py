@@ -523,6 +523,10 @@ def _train_all(c, data_dir, out_dir, profile, compute_samples, comm_samples, tab
         bundle["probe"] = norm["reference"]
     objective = _objective(metrics, str(c["objective"]))
     metrics["objective"] = {"name": c["objective"], "value": objective}
+    if not math.isfinite(objective):  # said, not left for a sweep to rank a nan silently
+        why = _undefined_objective(metrics, str(c["objective"]))
+        metrics["objective"]["undefined"] = why
+        log.warning("objective %s is %s: %s", c["objective"], objective, why)
 
     ckpt = out_dir / "cost_models.pt"
     with atomic_path(ckpt) as tmp:
@@ -559,10 +563,27 @@ def _by_group(samples, idx, y, pred, key) -> dict[str, dict[str, float]]:
 def _objective(metrics: dict[str, Any], name: str) -> float:
     node: Any = metrics
     for part in name.split("/"):
+        if isinstance(node, dict) and node.get("n") == 0 and part not in node:
+            return float("nan")  # a metric of an empty set (`regression_metrics` gives only n): no value
         if not isinstance(node, dict) or part not in node:
             raise InputError(f"objective {name!r} is not a metric (e.g. compute/val/kendall_tau)")
         node = node[part]
     return float(node)
+
+
+def _undefined_objective(metrics: dict[str, Any], name: str) -> str:
+    """Why the objective `name` has no value: the size of the set it was computed on."""
+    parts = name.split("/")
+    where = metrics
+    for part in parts[:-1]:
+        where = where.get(part, {}) if isinstance(where, dict) else {}
+    n = where.get("n") if isinstance(where, dict) else None
+    of = "/".join(parts[:-1]) or name
+    if n is not None and n < 2:
+        return (f"{of} has {n} sample(s) and {parts[-1]} needs at least 2; collect more data, or validate on a larger "
+                f"share (cost_model.pretrain.val_by=samples with a larger cost_model.pretrain.val_fraction)")
+    return (f"{of} ({n} samples) gives no value: its measured or predicted costs may all be equal; a sweep cannot "
+            f"rank this trial")
 
 
 def _plain_state(net: torch.nn.Module) -> dict[str, torch.Tensor]:
