@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import resource
 
 import numpy as np
 import pytest
@@ -16,8 +15,7 @@ from embshard.costs.neural import CommSample, ComputeSample, normalize_to_probe
 from embshard.errors import InputError
 from embshard.hardware.backends import available_backends
 from embshard.hardware.probe import Probe, rescale_summary, run_probe, use_probe
-from embshard.hardware.protocol import (MeasurementProtocol, Stopwatch, Timing, allowed_cores, cores_for, measuring_process,
-                                        set_worker_process)
+from embshard.hardware.protocol import MeasurementProtocol, Stopwatch, Timing, allowed_cores, cores_for, measuring_process
 from embshard.plan import Plan, Shard
 from embshard.search.neuroshard import NeuroShardSharder
 from embshard.stats import bootstrap_mean_ci, paired_ratio_summary, student_t_quantile, t_mean_ci
@@ -60,7 +58,7 @@ def test_measuring_process_pins_fixes_threads_and_restores():
 
 @pytest.mark.slow
 def test_spawned_workers_pin_round_robin_over_the_callers_cores():
-    from _affinity_worker import report_affinity
+    from _spawned import report_affinity
 
     cores = allowed_cores()
     ctx = mp.get_context("spawn")
@@ -74,27 +72,20 @@ def test_spawned_workers_pin_round_robin_over_the_callers_cores():
     assert got == {i: [cores[i % len(cores)]] for i in range(3)}
 
 
+@pytest.mark.slow
 def test_caching_allocator_removes_page_faults_from_the_timed_step():
-    def faults_per_alloc() -> float:
-        # warm-up steps, as the protocol's: the heap grows until freed blocks are reused (glibc's
-        # per-thread cache first holds the tensors' small allocations between the big blocks,
-        # so this takes up to about 8 steps here)
-        for _ in range(16):
-            x = torch.empty(64 << 20, dtype=torch.uint8)
-            x.fill_(1)
-            del x
-        counts = []
-        for _ in range(5):
-            r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            x = torch.empty(64 << 20, dtype=torch.uint8)
-            x.fill_(1)
-            del x
-            counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
-        return float(np.median(counts))
+    """Checked in a fresh spawned process (`_spawned.report_page_faults`): this one may already
+    have measured with the caching allocator, which leaves its heap holding the freed blocks."""
+    from _spawned import report_page_faults
 
-    default = faults_per_alloc()  # glibc mmaps a 64 MiB block afresh each time: one fault per page
-    with measuring_process(MeasurementProtocol(pin="none", threads=None, malloc="cache")):
-        cached = faults_per_alloc()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=report_page_faults, args=(q,))
+    proc.start()
+    try:
+        default, cached = q.get(timeout=120)
+    finally:
+        proc.join(timeout=30)
     assert default > 10_000 and cached < 100, (default, cached)
 
 

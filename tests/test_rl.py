@@ -219,7 +219,9 @@ def test_random_feasible_tasks_always_get_valid_plans(trained, task):
     for algorithm, cls in SHARDERS.items():
         for checkpoint in (trained[algorithm]["path"], SHIPPED[algorithm]):
             key = (algorithm, str(checkpoint))  # loaded once for all examples (each plans afresh)
-            sharder = _SHARDERS.setdefault(key, cls(checkpoint=str(checkpoint), samples=2))
+            if key not in _SHARDERS:
+                _SHARDERS[key] = cls(checkpoint=str(checkpoint), samples=2)
+            sharder = _SHARDERS[key]
             try:
                 plan = sharder.shard(task)
             except InfeasibleError as e:
