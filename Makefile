@@ -37,7 +37,8 @@ test: $(STAMP)
 
 # The long end-to-end runs `make test` leaves out (marked e2e: each repeats, at full size, a path
 # a faster test in `make test` covers: FlexShard on the emulated cluster with 2 x 2 processes, the
-# TorchRec DLRM example; about 35 s here). Not part of CI.
+# TorchRec DLRM example; and the cost-model sweep trial, whose parts `make test` covers; about 70 s
+# here). Not part of CI.
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_DIST) -m e2e
 
