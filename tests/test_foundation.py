@@ -439,6 +439,9 @@ def test_piece_tables_by_hand():
 def test_plan_accessors():
     plan = Plan("t", "x", [Shard("a", 1, 0, 8, 0, 1000), Shard("a", 0, 8, 8, 0, 1000), Shard.whole(B, 1)])
     assert plan.shards_on(1) == [plan.shards[0], plan.shards[2]] and plan.shards_on(2) == []
+    assert plan.by_device(3) == [plan.shards_on(k) for k in range(3)]
+    with pytest.raises(PlanError, match="table 'a' is on device 1, outside 0..0"):
+        plan.by_device(1)
     assert plan.device_widths(3) == [8, 16, 0]
     shuffled = Plan("t", "other", plan.shards[::-1])
     assert shuffled.signature() == plan.signature()

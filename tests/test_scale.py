@@ -17,7 +17,7 @@ from embshard.costs.neural import NeuralCostModels
 from embshard.costs.neural.models import FAR_FACTOR
 from embshard.costs.predictor import AnalyticPredictor
 from embshard.plan import MemoryLedger, Plan, Shard
-from embshard.search.greedy import GreedyPartitioner
+from embshard.search.greedy import GreedyPartitioner, cheapest
 from embshard.search.neuroshard import NeuroShardSharder
 from embshard.search.pieces import PieceBook
 from embshard.search.rl.env import best_plan
@@ -128,6 +128,22 @@ def test_candidate_devices_change_nothing_up_to_their_count_and_stay_valid_beyon
     validate(task, p_few)
     # the cheapest devices are where the cheapest placement is: little is lost
     assert few.last_predicted_cost_ms <= 1.10 * full.last_predicted_cost_ms
+
+
+def test_cheapest_candidates_are_those_of_the_full_sort():
+    """The partition shortcut picks the same devices as sorting every candidate by (cost, more
+    free memory, index), ties and a NaN cost included."""
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        d = int(rng.integers(2, 200))
+        cost = rng.integers(0, 4, d).astype(float) if trial % 2 else rng.random(d)  # many ties, or none
+        if trial % 5 == 0:
+            cost[rng.integers(0, d, 3)] = np.nan
+        free = rng.integers(0, 3, d)
+        cand = np.sort(rng.choice(d, int(rng.integers(1, d + 1)), replace=False))
+        k = int(rng.integers(1, len(cand) + 1))
+        want = np.sort(cand[np.lexsort((cand, -free[cand], cost[cand]))[:k]])
+        assert cheapest(cand, cost, free, k).tolist() == want.tolist()
 
 
 def test_caps_are_thinned_evenly_only_over_the_work_budget():

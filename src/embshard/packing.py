@@ -92,9 +92,10 @@ class LookAhead:
                 f[j] = -room
             return assign, f
         f = np.asarray(free, dtype=np.int64).copy()
-        for k in todo:
-            need = self.needs[k]
-            j = int(np.argmax(f >= need))
+        needs = self._needs_list
+        for k in todo:  # the ndarray method and a Python int: no np.argmax wrapper per piece
+            need = needs[k]
+            j = int((f >= need).argmax())
             if f[j] < need:
                 return None
             f[j] -= need

@@ -104,6 +104,17 @@ class Plan:
     def shards_on(self, device: int) -> list[Shard]:
         return [s for s in self.shards if s.device == device]
 
+    def by_device(self, num_devices: int) -> list[list[Shard]]:
+        """`shards_on` of every device 0 .. num_devices - 1, in one pass over the shards (one
+        `shards_on` per device is O(devices × shards): 5.5M visits for 5,384 tables on 1,024)."""
+        out: list[list[Shard]] = [[] for _ in range(num_devices)]
+        for s in self.shards:
+            if not 0 <= s.device < num_devices:
+                raise PlanError(f"plan {self.algorithm!r}: table {s.table!r} is on device {s.device}, "
+                                f"outside 0..{num_devices - 1}")
+            out[s.device].append(s)
+        return out
+
     def device_widths(self, num_devices: int) -> list[int]:
         """Sum of shard widths per device: the pooled-embedding columns each device sends.
         Replicated tables (data-parallel) send nothing: each copy pools its own samples."""

@@ -108,7 +108,7 @@ class AnalyticCostModel:
         batch = self.batch_size or task.batch_size
         tables = task.table_by_name
         d = task.num_devices
-        compute = [self.compute_ms([(tables[s.table], s) for s in plan.shards_on(k)], batch) for k in range(d)]
+        compute = [self.compute_ms([(tables[s.table], s) for s in on], batch) for on in plan.by_device(d)]
         bw = self.transfer_ms(plan.device_widths(d), batch)
         delay = [c + b for c, b in zip(compute, bw)]
         slowest = max(delay)

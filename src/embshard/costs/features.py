@@ -34,6 +34,7 @@ features describe what the kernels run on.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from typing import Sequence
@@ -128,6 +129,16 @@ def _poisson_bin_shares(mu: np.ndarray) -> np.ndarray:
     return np.diff(np.concatenate([cdf, np.ones((cdf.shape[0], 1))], axis=1), axis=1)
 
 
+@functools.lru_cache(maxsize=64)
+def _replay_matrix(ratio: float) -> np.ndarray:
+    """[bins, bins] read-only: row k, where a row of reuse bin k lands when replayed at
+    `ratio` (one per ratio: every table of a trace file shares its ratio, and a planning view
+    of thousands of tables would otherwise evaluate the gamma function once per table)."""
+    m = _poisson_bin_shares(_BIN_COUNT * ratio)
+    m.setflags(write=False)
+    return m
+
+
 def replay_histogram(hist: Sequence[float], ratio: float) -> tuple[float, ...]:
     """The reuse histogram of a trace replayed at `ratio` × its bags (bags drawn with
     replacement, as `embshard.data.indices` replays), from the histogram of the trace itself:
@@ -136,7 +147,7 @@ def replay_histogram(hist: Sequence[float], ratio: float) -> tuple[float, ...]:
     h = np.asarray(hist, dtype=np.float64)
     if h.shape != (NUM_REUSE_BINS,) or h.sum() <= 0 or not ratio > 0:
         raise ValueError(f"replay_histogram needs {NUM_REUSE_BINS} shares summing above 0 and a ratio > 0")
-    new = (h / h.sum()) @ _poisson_bin_shares(_BIN_COUNT * float(ratio))
+    new = (h / h.sum()) @ _replay_matrix(float(ratio))
     return tuple(round(float(x), 6) for x in new / new.sum())
 
 
@@ -155,17 +166,24 @@ def trace_histogram(access_counts: np.ndarray, ratio: float) -> tuple[float, ...
 _WARNED_TRACES: set[str] = set()
 
 
-def replayed_table(table: Table, batch_size: int) -> Table:
+def replayed_table(table: Table, batch_size: int, bags: dict[str, int] | None = None) -> Table:
     """`table` with the reuse histogram its replay at `batch_size` has, when it has a trace
     (the module docstring); unchanged otherwise, or when the trace file cannot be read (a
-    warning says so once per file; measuring it would fail on the same file)."""
+    warning says so once per file; measuring it would fail on the same file). `bags`: the
+    bags of the trace files already looked up (file -> bags), filled in here: a caller that
+    replays many tables of one file stats the file once, not once per table."""
     if table.trace is None:
         return table
     from embshard.data.dlrm_datasets import load_trace, trace_bags
     from embshard.errors import InputError
 
     try:
-        ratio = int(batch_size) / trace_bags(table.trace)
+        n = None if bags is None else bags.get(table.trace.file)
+        if n is None:
+            n = trace_bags(table.trace)
+            if bags is not None:
+                bags[table.trace.file] = n
+        ratio = int(batch_size) / n
         if _has_histogram(table):
             hist = replay_histogram(table.reuse_histogram, ratio)
         else:
@@ -221,7 +239,8 @@ def planning_view(task, replay_traces: bool = True):
     as given (whose trace-less tables draw indices from the same distribution)."""
     if _LAST_VIEW[0] is task and _LAST_VIEW[2] == replay_traces:
         return _LAST_VIEW[1][0], list(_LAST_VIEW[1][1])
-    tables = [replayed_table(t, task.batch_size) if replay_traces else t for t in task.tables]
+    bags: dict[str, int] = {}
+    tables = [replayed_table(t, task.batch_size, bags) if replay_traces else t for t in task.tables]
     missing = [i for i, t in enumerate(tables) if not _has_histogram(t)]
     hists = imputed_histograms([(tables[i].rows, tables[i].pooling_factor, task.batch_size) for i in missing])
     for i, hist in zip(missing, hists):

@@ -156,8 +156,7 @@ class HardwareEvaluator:
                 raise InputError(
                     f"plan {plan.algorithm!r} replicates pooled table(s) {replicated[:3]} (data_parallel), which the "
                     "kernel measurement does not model; measure it as TorchRec's DMP step: hardware=dmp_cpu")
-            for dev in range(d):
-                shard_sets.append([ShardInput(tables[s.table], s) for s in plan.shards_on(dev)])
+            shard_sets.extend([ShardInput(tables[s.table], s) for s in on] for on in plan.by_device(d))
 
         kw = dict(backend=self.backend, device=self.device, optimizer=task.optimizer, protocol=protocol, seed=self.seed,
                   progress=self.progress)

@@ -65,9 +65,11 @@ class NumpyComputeNet:
         """[n] ms of shards from their summed encodings [n, R + E]."""
         pooled = np.asarray(pooled, np.float64)
         terms, work = pooled[:, :NUM_RATES], pooled[:, NUM_RATES:]
-        lw = np.clip(np.log1p(np.maximum(work, 0.0)), self.ctx_lo, self.ctx_hi)
-        h = _mlp((lw - self.ctx_mean) / self.ctx_std, self.context, relu_last=False)
-        return (terms * _bexp(h[:, :-1], CONTEXT_RANGE)).sum(1) + self.base_ms * _bexp(h[:, -1], CONTEXT_RANGE)
+        # np.minimum(np.maximum(...)) is np.clip's arithmetic without its per-call overhead, and
+        # one _bexp over every column: a search calls this per placement, tens of thousands of times
+        lw = np.minimum(np.maximum(np.log1p(np.maximum(work, 0.0)), self.ctx_lo), self.ctx_hi)
+        b = _bexp(_mlp((lw - self.ctx_mean) / self.ctx_std, self.context, relu_last=False), CONTEXT_RANGE)
+        return (terms * b[:, :-1]).sum(1) + self.base_ms * b[:, -1]
 
 
 class NumpyCommNet:
