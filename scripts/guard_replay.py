@@ -4,13 +4,15 @@ recorded in report.json, with the evaluation's own measurements of every plan it
     python scripts/guard_replay.py extract experiments/pe_b3/runs experiments/pe_b4/runs ... \\
         --out docs/portfolio/eval/guard_records.json
     python scripts/guard_replay.py replay docs/portfolio/eval/guard_records.json --out docs/portfolio/eval/guard_replay_t
+    python scripts/guard_replay.py replay docs/portfolio/eval/guard_records.json --method bootstrap --min-gain 0.01 --out <dir>
 
 `extract` keeps, per task of each `<runs>/<setting>/report.json`, what the replay needs: each
 guarded algorithm's decision and measuring rounds, and every algorithm's ratio to the best
 heuristic with its per-task verdict (the evaluation's interleaved measurement). `replay`
 decides each guard again from the same rounds by the guard's rule with the given interval
 (`--method`: by default Student t, the guard's alternative; `bootstrap`, the guard's default and
-what the recorded guards ran, reproduces their verdicts, a self-check) and
+what the recorded guards ran, reproduces their verdicts, a self-check; `--min-gain`: a searched
+plan kept only where it is shown better by at least that share) and
 looks the kept plan up among the evaluated ones: a heuristic under its own name; a portfolio
 member under its unguarded name (`neuroshard` -> `neuroshard_pick`); NeuroShard's search pick
 (`neuroshard#1`) as `neuroshard_pick`.
@@ -72,15 +74,19 @@ def extract(args: argparse.Namespace) -> None:
           f"{sum(len(r['guards']) for r in records)} guard decisions")
 
 
-def replay_decision(g: dict, method: str, min_rounds: int = 3) -> tuple[str, str]:
+def replay_decision(g: dict, method: str, min_rounds: int = 3, min_gain: float = 0.0) -> tuple[str, str]:
     """(verdict, kept label) of one recorded guard decision under `method`, on its rounds, by the
-    guard's own rule (`embshard.search.guard.decide`)."""
+    guard's own rule (`embshard.search.guard.decide`). `min_gain` > 0: the searched plan is kept
+    only where the interval's upper end lies below 1 - min_gain (a "better" by less is replayed
+    as "not resolved" and keeps the heuristic), a stricter rule the live guard does not have."""
     from embshard.search.guard import decide
 
     d = g["decision"]
     if d["verdict"] not in ("better", "worse", "not resolved"):
         return d["verdict"], d["kept"]
-    verdict, h, _ = decide(g["rounds"], d["search"], d["contenders"], min_rounds, method)
+    verdict, h, summary = decide(g["rounds"], d["search"], d["contenders"], min_rounds, method)
+    if verdict == "better" and not summary.high < 1.0 - min_gain:
+        verdict = "not resolved"
     return verdict, (d["search"] if verdict == "better" else h)
 
 
@@ -95,8 +101,9 @@ def replay(args: argparse.Namespace) -> None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         sys.exit(f"error: {args.records}: not a guard_replay.py extract ({e})")
     settings = list(dict.fromkeys(r["setting"] for r in records))
-    out: dict = {"method": args.method, "tasks": len(records), "algorithms": {}}
-    lines = [f"Guard verdicts replayed with the `{args.method}` interval on the recorded rounds of "
+    out: dict = {"method": args.method, "min_gain": args.min_gain, "tasks": len(records), "algorithms": {}}
+    gain = f", a searched plan kept only where the interval ends below {1 - args.min_gain:g}" if args.min_gain else ""
+    lines = [f"Guard verdicts replayed with the `{args.method}` interval{gain} on the recorded rounds of "
              f"{len(records)} tasks ({', '.join(sorted({r['pass'] for r in records}))}).", "",
              "| algorithm | setting | tasks | decisions changed | recorded ratio | replayed ratio | "
              "replayed / recorded, per task | worse beyond interval: recorded -> replayed |",
@@ -110,7 +117,7 @@ def replay(args: argparse.Namespace) -> None:
             old, new, worse_old, worse_new, changed, missing = [], [], 0, 0, [], 0
             for r in recs:
                 g = r["guards"][alg]
-                verdict, kept = replay_decision(g, args.method)
+                verdict, kept = replay_decision(g, args.method, min_gain=args.min_gain)
                 o = r["ratio"][alg]
                 wo = r["worse"][alg]
                 if kept == g["decision"]["kept"]:
@@ -156,6 +163,8 @@ def main() -> None:
     r = sub.add_parser("replay", help="decide every recorded guard again")
     r.add_argument("records")
     r.add_argument("--method", choices=("t", "bootstrap"), default="t")
+    r.add_argument("--min-gain", type=float, default=0.0,
+                   help="keep a searched plan only where its interval ends below 1 - this (default 0: the guard's rule)")
     r.add_argument("--out", required=True)
     args = ap.parse_args()
     {"extract": extract, "replay": replay}[args.cmd](args)

@@ -339,10 +339,12 @@ def test_guard_replay_keeps_what_every_recorded_guard_kept_under_its_own_interva
     replay = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay)
     records = json.loads((root / "docs" / "portfolio" / "eval" / "guard_records.json").read_text())["records"]
+    from embshard.search.guard import decide
+
     guards = [g for r in records for g in r["guards"].values()]
     assert len(records) == 114 and len(guards) == 228
     verdicts = {"better": 0, "worse": 0, "not resolved": 0, "same plan": 0}
-    withdrawn = 0
+    withdrawn = narrow = 0
     for g in guards:
         recorded = g["decision"]
         verdict, kept = replay.replay_decision(g, "bootstrap")
@@ -352,7 +354,16 @@ def test_guard_replay_keeps_what_every_recorded_guard_kept_under_its_own_interva
         if t_kept != kept:
             assert recorded["verdict"] == "better" and t_verdict != "better" and t_kept == recorded["heuristic"]
             withdrawn += 1
+        # a required gain withdraws exactly the "better"s whose interval ends within it of 1
+        g_verdict, g_kept = replay.replay_decision(g, "bootstrap", min_gain=0.02)
+        if recorded["verdict"] == "better":
+            high = decide(g["rounds"], recorded["search"], recorded["contenders"], 3)[2].high
+            assert (g_verdict, g_kept) == (("better", kept) if high < 0.98 else ("not resolved", recorded["heuristic"]))
+            narrow += high >= 0.98
+        else:
+            assert (g_verdict, g_kept) == (verdict, kept)
     assert verdicts["better"] > withdrawn > 0 and verdicts["worse"] > 0 and verdicts["not resolved"] > 0
+    assert verdicts["better"] > narrow > 0
 
 
 # ----------------------------------------------------------------------------- the DMP embedding step
