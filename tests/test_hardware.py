@@ -233,6 +233,70 @@ def test_comm_config_validates():
 
 
 @pytest.mark.slow
+def test_kept_comm_ranks_serve_call_after_call_and_are_replaced_or_closed_not_piled_up():
+    from embshard.hardware.comm import KeptRanks, close_kept
+
+    close_kept()
+    try:
+        first = measure_comm([([8, 64], [0.0, 0.0])], batch_size=256, protocol=proto(1, 2))
+        group = KeptRanks._current
+        assert group is not None and group.group.alive()
+        pids = [p.pid for p in group.group.procs]
+        again, other = measure_comm([([8, 64], [0.0, 0.0]), ([64, 8], [0.0, 0.0])], batch_size=256, protocol=proto(1, 2))
+        assert KeptRanks._current is group and [p.pid for p in group.group.procs] == pids  # no new spawn
+        for r in (*first, again, other):
+            assert finite_positive(r.forward_ms) and finite_positive(r.backward_ms) and len(r.forward_samples_ms[0]) == 2
+        # another protocol: a new group, the old ranks stopped (one kept group at most)
+        measure_comm([([8, 64], [0.0, 0.0])], batch_size=256, protocol=proto(1, 3))
+        assert KeptRanks._current is not group and not any(p.is_alive() for p in group.group.procs)
+        # a group whose job failed is closed, never reused
+        with pytest.raises(RuntimeError, match="rank"):
+            measure_comm([([8, 8], [0.0, 0.0])], batch_size=64, protocol=proto(1, 1), backend="no-such-backend",
+                         timeout_s=60, keep=True)
+        assert KeptRanks._current is None
+    finally:
+        close_kept()
+
+
+@pytest.mark.slow
+def test_kept_comm_ranks_exit_when_their_parent_is_killed(tmp_path):
+    """A parent killed without closing its kept ranks (no atexit) leaves no rank waiting for work."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, sys\n"
+        "from embshard.hardware.comm import KeptRanks, measure_comm\n"
+        "from embshard.hardware.protocol import MeasurementProtocol\n"
+        "if __name__ == '__main__':\n"
+        "    measure_comm([([8, 8], [0.0, 0.0])], 64, MeasurementProtocol(comm_warmups=0, comm_repetitions=1))\n"
+        "    print(' '.join(str(p.pid) for p in KeptRanks._current.group.procs), flush=True)\n"
+        "    sys.stdin.read()\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+    try:
+        pids = [int(x) for x in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(Path(f"/proc/{p}").exists() for p in pids)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() and
+                                                  "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
+                                                  for p in pids):
+            time.sleep(0.5)
+        alive = [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+        assert not alive, f"ranks {alive} outlived their killed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+@pytest.mark.slow
 def test_all_to_all_between_two_processes_includes_waiting_for_the_slow_rank():
     delayed, plain, wide = measure_comm(
         [([64, 64], [0.0, 50.0]), ([64, 64], [0.0, 0.0]), ([512, 64], [0.0, 0.0])],

@@ -8,8 +8,8 @@ alike:
    backward with the fused update), round-robin over plans and devices (A B A B ... per
    visit), under the measurement protocol (`hardware.protocol`: pinned, one thread, CPU
    time of the measuring thread, caching allocator, median over visits);
-2. communication: one spawned process group measures the forward and backward all-to-all
-   of every plan, each rank first waiting its own measured compute time (less the
+2. communication: one spawned process group (kept up for the next call: `comm.KeptRanks`)
+   measures the forward and backward all-to-all of every plan, each rank first waiting its own measured compute time (less the
    smallest), so the forward comm of a fast device includes waiting for the slowest.
 
 Plan cost = max over devices of (compute + forward comm + backward comm).
