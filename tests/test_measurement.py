@@ -334,13 +334,13 @@ def test_guard_replay_keeps_what_every_recorded_guard_kept_under_its_own_interva
     import json
     from pathlib import Path
 
+    from embshard.search.guard import decide
+
     root = Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location("guard_replay", root / "scripts" / "guard_replay.py")
     replay = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay)
     records = json.loads((root / "docs" / "portfolio" / "eval" / "guard_records.json").read_text())["records"]
-    from embshard.search.guard import decide
-
     guards = [g for r in records for g in r["guards"].values()]
     assert len(records) == 114 and len(guards) == 228
     verdicts = {"better": 0, "worse": 0, "not resolved": 0, "same plan": 0}

@@ -88,8 +88,7 @@ def measure_round(tasks: list[Task], sharders: Mapping[str, Any], models: Any, e
             predicted = [models.device_costs(task, p) for p in plans]
             measured = evaluator.measure_many(task, plans)
             for name, plan, pred, meas in zip(names, plans, predicted, measured):
-                for dev in range(task.num_devices):
-                    on = plan.shards_on(dev)
+                for dev, on in enumerate(plan.by_device(task.num_devices)):
                     if not on:
                         continue
                     rec = [piece_record(task.table_by_name[s.table], s, task.batch_size) for s in on]

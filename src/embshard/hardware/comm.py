@@ -151,8 +151,7 @@ def measure_comm(
     if keep is None:
         keep = backend == "gloo" and cluster is None
     if keep:
-        per_rank = KeptRanks.get(d, backend, cores, protocol, timeout_s).run(payload, batch_size, protocol, progress,
-                                                                              timeout_s)
+        per_rank = KeptRanks.get(d, backend, cores, protocol, timeout_s).run(payload, batch_size, progress, timeout_s)
     else:
         def rank_args(rank: int, store: str, results: Any) -> tuple:
             where = None
@@ -210,14 +209,14 @@ def _worker(rank, world, store_path, backend, payload, batch_size, protocol_dict
 
 def _kept_worker(rank, world, store_path, backend, protocol_dict, cores, jobs, results, timeout_s) -> None:
     """One rank of a kept group: join once, then measure every job from `jobs` (payload, batch,
-    protocol, progress) and report it, until None, or until the parent is gone (killed without
+    progress; the protocol is the group's, part of what keeps it) and report it, until None, or until the parent is gone (killed without
     closing the group: a rank never outlives it waiting for work)."""
     import queue
 
     parent = os.getppid()
     try:
-        dev = _join(rank, world, store_path, backend, MeasurementProtocol.from_config(protocol_dict), cores,
-                    timeout_s, None)
+        protocol = MeasurementProtocol.from_config(protocol_dict)
+        dev = _join(rank, world, store_path, backend, protocol, cores, timeout_s, None)
         while True:
             try:
                 job = jobs.get(timeout=2.0)
@@ -227,9 +226,8 @@ def _kept_worker(rank, world, store_path, backend, protocol_dict, cores, jobs, r
                 continue
             if job is None:
                 break
-            payload, batch_size, job_protocol, progress = job
-            body = _measure(rank, world, dev, payload, batch_size, MeasurementProtocol.from_config(job_protocol),
-                            progress)
+            payload, batch_size, progress = job
+            body = _measure(rank, world, dev, payload, batch_size, protocol, progress)
             results.put(("ok", rank, body))
         _leave()
     except BaseException:  # noqa: BLE001 - report everything to the parent, then die
@@ -348,15 +346,14 @@ class KeptRanks:
 
     def __init__(self, key: tuple, world: int, backend: str, cores: Sequence[int], protocol: MeasurementProtocol,
                  timeout_s: float):
+        import torch.multiprocessing as mp
+
         self.key = key
-        self.jobs: list = []
+        self.jobs = [mp.get_context("spawn").Queue() for _ in range(world)]  # one per rank
 
         def rank_args(rank: int, store: str, results: Any) -> tuple:
-            import torch.multiprocessing as mp
-
-            q = mp.get_context("spawn").Queue()
-            self.jobs.append(q)
-            return (rank, world, store, backend, protocol.to_dict(), list(cores), q, results, float(timeout_s))
+            return (rank, world, store, backend, protocol.to_dict(), list(cores), self.jobs[rank], results,
+                    float(timeout_s))
 
         self.group = RankGroup(_kept_worker, world, rank_args, "comm")
 
@@ -375,12 +372,12 @@ class KeptRanks:
             kept = cls._current = KeptRanks(key, world, backend, cores, protocol, timeout_s)
         return kept
 
-    def run(self, payload, batch_size: int, protocol: MeasurementProtocol, progress: bool,
-            timeout_s: float) -> dict[int, Any]:
-        """Every rank's (forward, backward) samples of one job; the group is closed on any error."""
+    def run(self, payload, batch_size: int, progress: bool, timeout_s: float) -> dict[int, Any]:
+        """Every rank's (forward, backward) samples of one job, measured under the group's
+        protocol; the group is closed on any error."""
         try:
             for q in self.jobs:
-                q.put((payload, batch_size, protocol.to_dict(), progress))
+                q.put((payload, batch_size, progress))
             return self.group.collect(timeout_s)
         except BaseException:
             close_kept()
