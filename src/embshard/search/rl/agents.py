@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as Fn
 
 from embshard.plan import Plan
+from embshard.search.rl import numpy_episode
 from embshard.search.rl.env import Rollouts, TaskView
 from embshard.search.rl.features import FeatureNorm
 from embshard.search.rl.losses import masked_entropy, masked_log_softmax, normalised_advantages, reinforce_loss, vtrace
@@ -60,6 +61,11 @@ def _pad(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
 class _Estimating:
     """Estimate a given plan by replaying it as an episode."""
 
+    def argmax_episode(self, view: TaskView, max_candidates: int | None) -> Rollouts | None:
+        """The argmax planning episode by a faster route than `env.rollout`, or None where the
+        agent has none (then `env.rollout` plans)."""
+        return None
+
     def estimate_plan(self, task: Task, plan: Plan) -> float:
         with torch.no_grad():
             view = self.prepare(task)
@@ -94,6 +100,21 @@ class DreamShardAgent(_Estimating):
 
     def modules(self) -> dict[str, torch.nn.Module]:
         return {"costnet": self.costnet, "policy": self.policy}
+
+    @torch.no_grad()
+    def argmax_episode(self, view: TaskView, max_candidates: int | None) -> Rollouts | None:
+        """The argmax planning episode in numpy (`numpy_episode`: the same networks and steps,
+        a fraction of torch's per-operation cost), for the shipped kind of networks."""
+        if not numpy_episode.supported(self.costnet, self.policy):
+            return None
+        state = self.init_state(view, 1)
+        fast = numpy_episode.NumpyDreamShard(self.costnet, self.policy)
+        devices, sums, counts = fast.episode(view, view.cache["enc_c"], state["enc_p"], state["costs"][0], max_candidates)
+        state["S"], state["cnt"] = torch.from_numpy(sums)[None], torch.from_numpy(counts)[None]
+        state["costs"] = self.costnet.device_costs(state["S"], state["cnt"])
+        overflow = torch.zeros(1, dtype=torch.bool)
+        return Rollouts(view, torch.from_numpy(devices)[None], torch.ones(1, view.num_tables, dtype=torch.bool),
+                        self.estimate(view, state), self.reward(view, state, overflow), overflow)
 
     # ------------------------------------------------------------------ episode
     @torch.no_grad()
@@ -144,29 +165,18 @@ class DreamShardAgent(_Estimating):
         task = self._task_context(state, d) if net.structured_comm else None
         table_enc = whatif = None
         if self.policy.encode_table:
-            enc = view.cache["enc_c"][t]
-            # as `step`: every device's cost were it to take the table (the context's max too;
-            # the task's payload grows by the table's, once); one batched call for now and what-if
-            blocks = 2
-            sums, cnts, maxes = [s, s + enc], [cnt, cnt + 1], [smax, smax + enc]
-            total_if = None if task is None else task.total_mb + net.encoder.volume_mb(enc)
-            if "Smax" in state:  # a lazy state: also each candidate's costs once it took the table, as
-                # `advance` computes them (the devices' max grows by this device only), so that
-                # `advance` need not run the network again for a candidate
-                blocks = 3
-                m = s.shape[1]
-                sums, cnts = sums + [s + enc], cnts + [cnt + 1]
-                maxes = [x.unsqueeze(1).expand(-1, m, -1) for x in maxes] + [torch.maximum(smax.unsqueeze(1), s + enc)]
-            task_all = None if task is None else TaskContext(
-                torch.cat([task.total_mb, total_if] + [total_if] * (blocks - 2)),
-                task.devices.repeat(blocks), task.slowest_ms.repeat(blocks))
-            out = net.device_costs(torch.cat(sums), torch.cat(cnts), max_sums=torch.cat(maxes), task=task_all)
-            cf, whatif = cost_features(out[:k], view.even_ms), cost_features(out[k : 2 * k], view.even_ms)
-            if blocks == 3:
-                state["taken"] = (cand, out[2 * k :])
+            # as `step`: every device's cost were it to take the table (the context's max too; the
+            # task's payload grows by the table's, once); a lazy state also prices each candidate
+            # as it will be once it took the table (the devices' max grows by this device only),
+            # as `advance` computes it, so that `advance` need not run the network again
+            lazy = "Smax" in state
+            now, taking, taken = net.placement_costs(s, cnt, view.cache["enc_c"][t], smax, task, taken=lazy)
+            cf, whatif = cost_features(now, view.even_ms), cost_features(taking, view.even_ms)
+            if lazy:
+                state["taken"] = (cand, taken)
             elif record and net.structured_comm:  # every device, in order: each one's compute once it
                 # took the table, which is all `advance` needs (compute reads the device's own sum)
-                state["taken_compute"] = out[k : 2 * k, :, 0]
+                state["taken_compute"] = taking[..., 0]
             table_enc = state["enc_p"][t].expand(k, -1)
         else:
             cf = cost_features(net.device_costs(s, cnt, max_sums=smax, task=task), view.even_ms)
@@ -188,10 +198,10 @@ class DreamShardAgent(_Estimating):
         return state["costs"].sum(-1)
 
     def advance(self, view, state, t, devices, placed):
-        oh = Fn.one_hot(devices, view.num_devices).float() * placed[:, None].float()
-        state["S"] += oh[..., None] * view.cache["enc_c"][t]
-        state["cnt"] += oh
-        state["U"] += oh[..., None] * state["enc_p"][t]
+        rows, on = torch.arange(len(devices)), placed[:, None].float()  # an episode not placed adds 0
+        state["S"][rows, devices] += on * view.cache["enc_c"][t]
+        state["cnt"][rows, devices] += on[:, 0]
+        state["U"][rows, devices] += on * state["enc_p"][t]
         if "Smax" not in state:
             taken = state.pop("taken_compute", None)
             if taken is None:
@@ -200,12 +210,10 @@ class DreamShardAgent(_Estimating):
                 return
             # a structured-comm step over every device: only the compute column is read before
             # `finish` (the next step recomputes every device's costs with the task's context)
-            rows = torch.arange(len(devices))
             c = state["costs"][rows, devices, 0]
             state["costs"][rows, devices, 0] = torch.where(placed, taken[rows, devices], c)
             state["stale"] = True
             return
-        rows = torch.arange(len(devices))
         s = state["S"][rows, devices]
         state["Smax"] = torch.maximum(state["Smax"], s)
         taken = state.pop("taken", None)

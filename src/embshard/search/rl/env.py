@@ -98,6 +98,10 @@ class Agent(Protocol):
     def advance(self, view: TaskView, state: dict[str, torch.Tensor], t: int, devices: torch.Tensor,
                 placed: torch.Tensor) -> None: ...
 
+    def argmax_episode(self, view: TaskView, max_candidates: int | None) -> "Rollouts | None":
+        """The argmax planning episode by a faster route than `rollout`, or None (no such route)."""
+        ...
+
     def finish(self, view: TaskView, state: dict[str, torch.Tensor]) -> None:
         """Bring a lazy state up to date before `estimate`."""
         ...
@@ -243,7 +247,7 @@ def rollout(agent: Agent, view: TaskView, k: int, *, train: bool, sample: bool =
                 if noisy.any():
                     u = torch.rand(scores.shape, generator=generator).clamp(1e-9, 1 - 1e-9)
                     scores[noisy] += -torch.log(-torch.log(u[noisy]))
-                prefs = torch.argsort(scores, dim=1, descending=True).tolist()
+                prefs = torch.argsort(scores, dim=1, descending=True, stable=True).tolist()  # ties: lowest device first
                 for i in range(k):
                     devices[i, t] = ledgers[i].place(table, need, prefs[i])
         placed = devices[:, t] >= 0
@@ -273,18 +277,18 @@ def _place_candidates(agent: Agent, view: TaskView, state: dict[str, torch.Tenso
     asks past the scored ones). `free` [K, D]: the ledgers' free bytes."""
     need = view.needs[t]
     score = agent.candidate_scores(view, state).double().masked_fill(free < need, float("inf"))
-    cand = torch.topk(score, m, dim=1, largest=False).indices
+    cand = torch.sort(score, dim=1, stable=True).indices[:, :m]  # ties (identical devices): lowest device first
     logits, _ = agent.step(view, state, t, used, cand)
     noisy = ~greedy
     if noisy.any():
         u = torch.rand(logits.shape, generator=generator).clamp(1e-9, 1 - 1e-9)
         logits[noisy] += -torch.log(-torch.log(u[noisy]))
-    first = cand.gather(1, torch.argsort(logits, dim=1, descending=True)).tolist()
+    first = cand.gather(1, torch.argsort(logits, dim=1, descending=True, stable=True)).tolist()
     out = torch.empty(len(ledgers), dtype=torch.long)
 
     def rest(i: int):
         scored = set(first[i])
-        yield from (d for d in torch.argsort(score[i]).tolist() if d not in scored)
+        yield from (d for d in torch.argsort(score[i], stable=True).tolist() if d not in scored)
 
     for i, led in enumerate(ledgers):
         out[i] = led.place(table, need, itertools.chain(first[i], rest(i)))
@@ -293,8 +297,14 @@ def _place_candidates(agent: Agent, view: TaskView, state: dict[str, torch.Tenso
 
 def _planning_rollout(agent: Agent, task: Task, samples: int, generator: torch.Generator | None,
                       max_candidates: int | None) -> Rollouts:
-    """The argmax episode and `samples` sampled ones of a plan search (episode 0 the argmax)."""
-    return rollout(agent, agent.prepare(task), 1 + samples, train=False, sample=samples > 0, argmax_first=True,
+    """The argmax episode and `samples` sampled ones of a plan search (episode 0 the argmax);
+    the argmax alone by the agent's faster route where it has one."""
+    view = agent.prepare(task)
+    if samples == 0:
+        fast = agent.argmax_episode(view, max_candidates)
+        if fast is not None:
+            return fast
+    return rollout(agent, view, 1 + samples, train=False, sample=samples > 0, argmax_first=True,
                    generator=generator, max_candidates=max_candidates)
 
 

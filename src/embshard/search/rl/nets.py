@@ -95,13 +95,17 @@ class ShardEncoder(nn.Module):
         """[...] the summed pooled-output MB of shards (the volume column)."""
         return sums[..., -1]
 
-    def compute_log(self, head: nn.Module, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def compute_log(self, head: nn.Module, sums: torch.Tensor, counts: torch.Tensor,
+                    feats: torch.Tensor | None = None) -> torch.Tensor:
         """[...] log(1 + compute ms) of shards from sums [..., width] and table counts [...]
-        (an empty shard computes nothing)."""
-        if self.own is None:
-            y = head(self.features(sums)).squeeze(-1) if self.volume is not None else head(sums).squeeze(-1)
+        (an empty shard computes nothing); `feats`: `features(sums)` where the caller has them."""
+        if self.own is None and self.volume is None:
+            y = head(sums).squeeze(-1)
         else:
-            y = torch.log1p(sums[..., self.out] * torch.exp(torch.tanh(head(self.features(sums)).squeeze(-1))))
+            feats = self.features(sums) if feats is None else feats
+            y = head(feats).squeeze(-1)
+            if self.own is not None:
+                y = torch.log1p(sums[..., self.out] * torch.exp(torch.tanh(y)))
         return y * (counts > 0)
 
 
@@ -151,12 +155,12 @@ class DreamShardCostNet(nn.Module):
             ctx = ctx.unsqueeze(-2)
         ctx = ctx.expand_as(feats)
         both = torch.cat([feats, ctx], dim=-1)
-        compute = self.encoder.compute_log(self.compute, sums, counts)
+        compute = self.encoder.compute_log(self.compute, sums, counts, feats)
         if self.structured_comm:
-            return self._structured(sums, feats, both, compute, device_mask, task)
+            return self._structured(sums, both, compute, device_mask, task)
         return torch.stack([compute, self.forward_comm(both).squeeze(-1), self.backward_comm(both).squeeze(-1)], dim=-1)
 
-    def _structured(self, sums: torch.Tensor, feats: torch.Tensor, both: torch.Tensor, compute: torch.Tensor,
+    def _structured(self, sums: torch.Tensor, both: torch.Tensor, compute: torch.Tensor,
                     device_mask: torch.Tensor | None, task: "TaskContext | None") -> torch.Tensor:
         """Comm as the all-to-all pays it: each device's payload in MB (what it sends and
         receives, from its own and the task's pooled outputs, at any device count) times a
@@ -173,16 +177,85 @@ class DreamShardCostNet(nn.Module):
         else:
             total, d, slowest = task.total_mb.unsqueeze(-1), task.devices.unsqueeze(-1), task.slowest_ms.unsqueeze(-1)
             slowest = torch.maximum(slowest, c_ms)
+        volume, extra = self._payload(out_d, total, d)
+        x = torch.cat([both, extra], dim=-1)
+        raw = torch.stack([self.forward_comm(x).squeeze(-1), self.backward_comm(x).squeeze(-1)], dim=-1)
+        return self._comm_log(raw, volume, d, slowest, c_ms, compute)
+
+    @staticmethod
+    def _payload(out_d: torch.Tensor, total: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each device's all-to-all payload MB, the comm heads' extra inputs `COMM_CONTEXT`)."""
         volume = (out_d * (d - 1) + (total - out_d)).clamp_min(0.0) / d.clamp_min(1.0)
         extra = torch.stack(torch.broadcast_tensors(torch.log1p(volume), torch.log(d.clamp_min(1.0)),
                                                     torch.log1p(total)), dim=-1)
-        x = torch.cat([both, extra], dim=-1)
-        many = (d > 1).to(out_d.dtype)
+        return volume, extra
+
+    def _comm_log(self, raw: torch.Tensor, volume: torch.Tensor, d: torch.Tensor, slowest: torch.Tensor,
+                  c_ms: torch.Tensor, compute: torch.Tensor) -> torch.Tensor:
+        """[..., 3] log(1 + ms) of compute and the structured comm from the comm heads' raw
+        outputs [..., 2] (forward, backward)."""
+        many = (d > 1).to(volume.dtype)
         rate, base = self.comm_rate.exp(), self.comm_base.exp()
-        bw = many * (volume * rate[1] * torch.exp(2.0 * torch.tanh(self.backward_comm(x).squeeze(-1) / 2.0)) + base[1])
-        fw = many * (volume * rate[0] * torch.exp(2.0 * torch.tanh(self.forward_comm(x).squeeze(-1) / 2.0)) + base[0])
+        bw = many * (volume * rate[1] * torch.exp(2.0 * torch.tanh(raw[..., 1] / 2.0)) + base[1])
+        fw = many * (volume * rate[0] * torch.exp(2.0 * torch.tanh(raw[..., 0] / 2.0)) + base[0])
         fw = fw + (slowest - c_ms).detach().clamp_min(0.0)
         return torch.stack([compute, torch.log1p(fw), torch.log1p(bw)], dim=-1)
+
+    def placement_costs(self, sums: torch.Tensor, counts: torch.Tensor, table: torch.Tensor, max_sums: torch.Tensor,
+                        task: "TaskContext | None" = None, taken: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What a placement step needs of M candidate devices, in one pass of the heads:
+        (now, with, taken), [K, M, 3] predicted ms each.
+
+        `now`: the devices as they are (sums [K, M, E], counts [K, M]; `max_sums` [K, E] the
+        element-wise max over ALL the task's devices, `task` their context for structured comm
+        heads). `with`: each device were it to take the table (encoding `table` [E]), the
+        context's max and the task's payload grown by the table once, as `device_costs` on
+        [sums + table, counts + 1, max_sums + table] gives. `taken` (when asked): the same
+        but the context's max grown by that device only, `torch.maximum(max_sums, sums + table)`:
+        the device's costs once the table is placed there.
+
+        Equal to `device_costs` on those inputs (tests/test_rl_numpy_episode.py checks), computed by
+        parts: the comm heads' first layer applied to a device's features, to the context
+        (once per block, not per device: it is the same for every candidate) and to the
+        structured extras, summed; "with" and "taken" share the devices' features, compute,
+        payload and extras, and differ only in the context's part.
+        """
+        k, m, _ = sums.shape
+        enc = self.encoder
+        sums2 = torch.cat([sums, sums + table], dim=1)  # [K, 2M, E]: now, then with the table
+        feats = enc.features(sums2)
+        compute = enc.compute_log(self.compute, sums2, torch.cat([counts, counts + 1], dim=1), feats)
+        ctx = enc.features(torch.stack([max_sums, max_sums + table], dim=1))  # [K, 2, F]
+        f = feats.shape[-1]
+        heads = (self.forward_comm, self.backward_comm)
+        w1 = torch.cat([h[0].weight for h in heads])  # [2H, F + F (+ extras)]: both heads' first layers
+        b1 = torch.cat([h[0].bias for h in heads])
+        pre = nn.functional.linear(feats, w1[:, :f], b1)
+        if self.structured_comm:
+            out_d = enc.volume_mb(sums2)
+            total = torch.cat([task.total_mb[:, None].expand(k, m),
+                               (task.total_mb + enc.volume_mb(table))[:, None].expand(k, m)], dim=1)
+            d = task.devices[:, None]
+            volume, extra = self._payload(out_d, total, d)
+            pre = pre + nn.functional.linear(extra, w1[:, 2 * f :])
+        blocks = [pre + nn.functional.linear(ctx, w1[:, f : 2 * f]).repeat_interleave(m, dim=1)]
+        rows = [slice(None)]
+        if taken:
+            blocks.append(pre[:, m:] + nn.functional.linear(torch.maximum(ctx[:, :1], feats[:, m:]), w1[:, f : 2 * f]))
+            rows.append(slice(m, None))
+        w2 = torch.block_diag(*[h[2].weight for h in heads])  # [2, 2H]: each head's second layer on its half
+        raw = nn.functional.linear(torch.relu(torch.cat(blocks, dim=1)), w2, torch.cat([h[2].bias for h in heads]))
+        comp = torch.cat([compute[:, r] for r in rows], dim=1)
+        if self.structured_comm:
+            c_ms = log1p_ms(comp)
+            slowest = torch.maximum(task.slowest_ms[:, None], c_ms)
+            vol = torch.cat([volume[:, r] for r in rows], dim=1)
+            out = self._comm_log(raw, vol, d, slowest, c_ms, comp)
+        else:
+            out = torch.cat([comp.unsqueeze(-1), raw], dim=-1)
+        out = log1p_ms(out)
+        return out[:, :m], out[:, m : 2 * m], out[:, 2 * m :] if taken else None
 
     def device_costs(self, sums: torch.Tensor, counts: torch.Tensor, device_mask: torch.Tensor | None = None,
                      max_sums: torch.Tensor | None = None, task: "TaskContext | None" = None) -> torch.Tensor:
@@ -256,15 +329,30 @@ class DreamShardPolicy(nn.Module):
                whatif: torch.Tensor | None) -> torch.Tensor:
         """[..., D] logits from device encodings [..., D, E], cost features [..., D, 6] and,
         with encode_table, the table's encoding [..., E] and what-if cost features [..., D, 6]."""
-        parts = [device_enc, self.cost_encoder(costs)]
-        raw = [costs]
-        if self.encode_table:
-            parts += [table_enc.unsqueeze(-2).expand_as(device_enc), self.cost_encoder(whatif)]
-            raw.append(whatif)
-        out = self.scorer(torch.cat(parts, dim=-1))
-        if self.skip is not None:
-            out = out + self.skip(torch.cat(raw, dim=-1))
-        return out.squeeze(-1)
+        if not self.encode_table:
+            out = self.scorer(torch.cat([device_enc, self.cost_encoder(costs)], dim=-1))
+            if self.skip is not None:
+                out = out + self.skip(costs)
+            return out.squeeze(-1)
+        # the scorer reads [device, its costs, the table, its costs with the table]; the table's
+        # part of the first layer is the same for every device, so it is applied once, not per
+        # device, and both cost inputs go through the cost encoder in one call
+        e, first = device_enc.shape[-1], self.scorer[0]
+        w = first.weight
+        raw = torch.cat([costs, whatif], dim=-1)
+        enc = self.cost_encoder(raw.unflatten(-1, (2, COST_FEATURES))).flatten(-2)  # [..., D, 2C]
+        c = enc.shape[-1] // 2
+        per_table = nn.functional.linear(table_enc, w[:, e + c : 2 * e + c], first.bias).unsqueeze(-2)
+        x = torch.cat([device_enc, enc], dim=-1)
+        h = nn.functional.linear(x, torch.cat([w[:, : e + c], w[:, 2 * e + c :]], dim=1)) + per_table
+        for layer in self.scorer[1:-1]:
+            h = nn.functional.linear(h, layer.weight, layer.bias) if isinstance(layer, nn.Linear) else torch.relu(h)
+        last = self.scorer[-1]
+        if self.skip is None:
+            return nn.functional.linear(h, last.weight, last.bias).squeeze(-1)
+        # the scorer's last layer and the skip path as one layer on [hidden, raw costs]
+        return nn.functional.linear(torch.cat([h, raw], dim=-1), torch.cat([last.weight, self.skip.weight], dim=1),
+                                    last.bias + self.skip.bias).squeeze(-1)
 
 
 #: AutoShard's per-device action inputs besides the summed encoding: log(1 + predicted ms),

@@ -1,0 +1,207 @@
+"""DreamShard's argmax planning episode in numpy: the same networks and the same steps as the
+torch rollout (`env.rollout`, train=False, one episode), for planning only.
+
+A planning step is about a hundred tiny tensor operations on at most `max_candidates` devices;
+through torch each pays several microseconds of dispatch, which is most of a step, and 5,384
+tables take 5,384 steps. numpy's operations cost a fraction of that. The weights are copied out
+of the torch modules once per episode, so a checkpoint is still the one source of truth, and
+tests/test_rl_numpy_episode.py checks that the costs and logits equal the torch modules' and
+that both episodes place tables alike.
+
+Each step scores the `m` devices whose predicted cost is lowest now (all of them when the task
+has no more than `m` devices), prices each as it is, were it to take the table, and once it took
+it (the lazy torch step's three blocks), and hands the devices in logit order to the memory
+ledger, then every other device cheapest first; the device that took the table gets the costs
+priced for it. Ties between equal logits (identical devices) are broken by device number, so a
+plan can differ from the torch episode's by a relabelling of identical devices.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from embshard.plan import MemoryLedger
+from embshard.search.rl.env import TaskView, check_fits_anywhere
+from embshard.search.rl.nets import COST_FEATURES, DreamShardCostNet, DreamShardPolicy
+
+
+def supported(costnet: DreamShardCostNet, policy: DreamShardPolicy) -> bool:
+    """The shipped kind of DreamShard (structured comm heads, additive encoder, table-aware
+    policy with its skip path); other variants plan through torch."""
+    return (costnet.structured_comm and costnet.encoder.own is not None and policy.encode_table
+            and policy.skip is not None and len(policy.scorer) == 3 and len(costnet.compute) == 3)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).numpy().copy()
+
+
+def _relu(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, np.float32(0.0))
+
+
+def _ms(y: np.ndarray) -> np.ndarray:
+    """`nets.log1p_ms`."""
+    return np.expm1(np.clip(y, np.float32(0.0), np.float32(20.0)))
+
+
+class NumpyDreamShard:
+    """The weights of a DreamShard cost network and policy as numpy arrays, and one argmax
+    planning episode over them (see module doc)."""
+
+    def __init__(self, costnet: DreamShardCostNet, policy: DreamShardPolicy):
+        if not supported(costnet, policy):
+            raise ValueError("NumpyDreamShard needs structured comm heads, an additive encoder and a table-aware policy")
+        enc = costnet.encoder
+        self.out = enc.out
+        c1, c2 = costnet.compute[0], costnet.compute[2]
+        self.c1w, self.c1b, self.c2w, self.c2b = _np(c1.weight.T), _np(c1.bias), _np(c2.weight[0]), float(c2.bias.detach()[0])
+        heads = (costnet.forward_comm, costnet.backward_comm)
+        w1 = _np(torch.cat([h[0].weight for h in heads]).T)  # [F + F + 3, 2H]: both heads' first layers
+        f = enc.width
+        self.h_feat, self.h_ctx, self.h_extra = w1[:f], w1[f : 2 * f], w1[2 * f :]
+        self.h1b = _np(torch.cat([h[0].bias for h in heads]))
+        self.h2w = _np(torch.block_diag(*[h[2].weight for h in heads]).T)  # [2H, 2]
+        self.h2b = _np(torch.cat([h[2].bias for h in heads]))
+        self.rate, self.base = _np(costnet.comm_rate.exp()), _np(costnet.comm_base.exp())
+        e1, e2 = policy.cost_encoder[0], policy.cost_encoder[2]
+        self.e1w, self.e1b, self.e2w, self.e2b = _np(e1.weight.T), _np(e1.bias), _np(e2.weight.T), _np(e2.bias)
+        s1, s2 = policy.scorer[0], policy.scorer[2]
+        w = s1.weight
+        e = policy.encoder[-2].out_features
+        c = e2.out_features
+        self.s_rows = _np(torch.cat([w[:, : e + c], w[:, 2 * e + c :]], dim=1).T)  # [device, its costs, with the table]
+        self.s_table, self.s1b = _np(w[:, e + c : 2 * e + c].T), _np(s1.bias)
+        self.s2w = _np(torch.cat([s2.weight, policy.skip.weight], dim=1)[0])  # last layer and skip path together
+        self.s2b = float((s2.bias + policy.skip.bias).detach()[0])
+
+    # ------------------------------------------------------------------ networks
+    def features(self, sums: np.ndarray) -> np.ndarray:
+        """`ShardEncoder.features`."""
+        o = self.out
+        return np.concatenate([sums[..., :o], np.log1p(sums[..., o:])], axis=-1)
+
+    def compute_log(self, sums: np.ndarray, counts: np.ndarray, feats: np.ndarray) -> np.ndarray:
+        """`ShardEncoder.compute_log` (additive)."""
+        y = _relu(feats @ self.c1w + self.c1b) @ self.c2w + self.c2b
+        return np.log1p(sums[:, self.out] * np.exp(np.tanh(y))) * (counts > 0)
+
+    @staticmethod
+    def payload(out_d: np.ndarray, total: np.ndarray, devices: int) -> tuple[np.ndarray, np.ndarray]:
+        """`DreamShardCostNet._payload`: (payload MB [R], the comm heads' extras [R, 3])."""
+        d = np.float32(devices)
+        volume = np.maximum(out_d * (d - 1) + (total - out_d), np.float32(0.0)) / max(d, np.float32(1.0))
+        logd = np.full_like(volume, np.log(max(d, np.float32(1.0))))
+        return volume, np.stack([np.log1p(volume), logd, np.log1p(total)], axis=-1)
+
+    def costs(self, sums: np.ndarray, counts: np.ndarray, ctx_part: np.ndarray, total: np.ndarray, devices: int,
+              slowest: float, pre: np.ndarray | None = None, feats: np.ndarray | None = None,
+              compute: np.ndarray | None = None) -> np.ndarray:
+        """[R, 3] predicted ms (`DreamShardCostNet.device_costs` with a `TaskContext`) of R
+        devices' sums [R, E] and counts [R], the context's part of the comm heads' first layer
+        `ctx_part` [R or 1, 2H], the task's payload MB `total` [R]; `pre`, `feats`, `compute`:
+        the devices' part of that layer, features and compute log where already known."""
+        feats = self.features(sums) if feats is None else feats
+        compute = self.compute_log(sums, counts, feats) if compute is None else compute
+        volume, extra = self.payload(sums[:, -1], total, devices)
+        if pre is None:
+            pre = feats @ self.h_feat + extra @ self.h_extra + self.h1b
+        raw = _relu(pre + ctx_part) @ self.h2w + self.h2b
+        c_ms = _ms(compute)
+        many = np.float32(1.0 if devices > 1 else 0.0)
+        bw = many * (volume * self.rate[1] * np.exp(2.0 * np.tanh(raw[:, 1] / 2.0)) + self.base[1])
+        fw = many * (volume * self.rate[0] * np.exp(2.0 * np.tanh(raw[:, 0] / 2.0)) + self.base[0])
+        fw = fw + np.maximum(np.maximum(np.float32(slowest), c_ms) - c_ms, np.float32(0.0))
+        return _ms(np.stack([compute, np.log1p(fw), np.log1p(bw)], axis=-1))
+
+    def placement(self, s: np.ndarray, cnt: np.ndarray, table: np.ndarray, smax: np.ndarray, total: float,
+                  devices: int, slowest: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`DreamShardCostNet.placement_costs(..., taken=True)` for one episode: (now, with, taken)
+        [M, 3] ms of the candidates' sums s [M, E] and counts [M]."""
+        m = len(s)
+        sums2 = np.concatenate([s, s + table])
+        cnt2 = np.concatenate([cnt, cnt + 1])
+        feats = self.features(sums2)
+        compute = self.compute_log(sums2, cnt2, feats)
+        total2 = np.repeat(np.array([total, total + table[-1]], dtype=np.float32), m)
+        _, extra = self.payload(sums2[:, -1], total2, devices)
+        pre = feats @ self.h_feat + extra @ self.h_extra + self.h1b
+        ctx = self.features(np.stack([smax, smax + table]))
+        ctx_part = np.concatenate([np.repeat(ctx @ self.h_ctx, m, axis=0),  # now, with: the same for every device
+                                   np.maximum(ctx[0], feats[m:]) @ self.h_ctx])  # taken: grown by that device only
+        rows = np.r_[0 : 2 * m, m : 2 * m]
+        out = self.costs(sums2[rows], cnt2[rows], ctx_part, total2[rows], devices, slowest, pre=pre[rows],
+                         feats=feats[rows], compute=compute[rows])
+        return out[:m], out[m : 2 * m], out[2 * m :]
+
+    def logits(self, device_enc: np.ndarray, now: np.ndarray, taking: np.ndarray, table_enc: np.ndarray,
+               even_ms: float) -> np.ndarray:
+        """`DreamShardPolicy.logits` of M devices (device encodings [M, E] already scaled)."""
+        scale = np.float32(max(even_ms, 1e-3))
+        raw = np.concatenate([np.log1p(now), now / scale, np.log1p(taking), taking / scale], axis=-1)  # [M, 12]
+        m = len(raw)
+        enc = _relu(_relu(raw.reshape(2 * m, COST_FEATURES) @ self.e1w + self.e1b) @ self.e2w + self.e2b).reshape(m, -1)
+        h = _relu(np.concatenate([device_enc, enc], axis=-1) @ self.s_rows + (table_enc @ self.s_table + self.s1b))
+        return np.concatenate([h, raw], axis=-1) @ self.s2w + self.s2b
+
+    # ------------------------------------------------------------------ episode
+    def episode(self, view: TaskView, enc_c: torch.Tensor, enc_p: torch.Tensor, init_costs: torch.Tensor,
+                max_candidates: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The argmax episode: (the device of each table [N] in placement order, the devices'
+        encoding sums [D, E] and table counts [D] at its end). `enc_c`, `enc_p`: the cost
+        network's and the policy's table encodings [N, E] (placement order); `init_costs`
+        [D, 3]: the costs of the empty devices."""
+        task, n, d = view.task, view.num_tables, view.num_devices
+        check_fits_anywhere(task)
+        m = d if max_candidates is None else min(d, int(max_candidates))
+        enc_c, enc_p = _np(enc_c), _np(enc_p)
+        width = enc_c.shape[1]
+        s = np.zeros((d, width), dtype=np.float32)
+        smax = np.zeros(width, dtype=np.float32)
+        cnt = np.zeros(d, dtype=np.float32)
+        u = np.zeros((d, enc_p.shape[1]), dtype=np.float32)
+        costs = _np(init_costs)
+        ledger = MemoryLedger(task, pending=view.needs)
+        free = np.asarray(ledger.free, dtype=np.float64)
+        scale = np.float32(d / n)
+        tables = view.tables
+        out = np.empty(n, dtype=np.int64)
+        for t in range(n):
+            need = view.needs[t]
+            score = costs.sum(axis=1).astype(np.float64)
+            score[free < need] = np.inf
+            order = np.argsort(score, kind="stable")  # cheapest first; ties (identical devices): lowest first
+            cand = order[:m]
+            table = enc_c[t]
+            total = float(s[:, -1].sum())
+            slowest = float(costs[:, 0].max())
+            # empty devices are identical: one is priced for all (numpy's kernels may round the same
+            # row differently at another position, which would break their tie at random)
+            empty = cnt[cand] == 0
+            keep = ~empty
+            keep[np.argmax(empty)] = True
+            src = np.cumsum(keep) - 1  # each candidate's priced row
+            src[empty] = src[np.argmax(empty)]
+            rows = cand[keep]
+            now, taking, taken = self.placement(s[rows], cnt[rows], table, smax, total, d, slowest)
+            table_p = enc_p[t]
+            logits = self.logits(u[rows] * scale, now, taking, table_p, view.even_ms)[src]
+            first = cand[np.argsort(-logits, kind="stable")]
+            dev = ledger.place(tables[t], need, itertools.chain(first.tolist(), order[m:].tolist()))
+            out[t] = dev
+            free[dev] = ledger.free[dev]
+            s[dev] += table
+            cnt[dev] += 1
+            u[dev] += table_p
+            smax = np.maximum(smax, s[dev])
+            hit = np.flatnonzero(cand == dev)
+            if len(hit):
+                costs[dev] = taken[src[hit[0]]]
+            else:  # a device past the scored ones (the ledger asked further): priced alone
+                ctx = self.features(smax) @ self.h_ctx
+                costs[dev] = self.costs(s[dev : dev + 1], cnt[dev : dev + 1], ctx, np.array([s[:, -1].sum()], dtype=np.float32),
+                                        d, slowest)[0]
+        return out, s, cnt
