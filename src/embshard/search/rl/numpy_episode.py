@@ -9,10 +9,11 @@ tests/test_rl_numpy_episode.py checks that the costs and logits equal the torch 
 that both episodes place tables alike.
 
 Each step scores the `m` devices whose predicted cost is lowest now (all of them when the task
-has no more than `m` devices), prices each as it is, were it to take the table, and once it took
-it (the lazy torch step's three blocks), and hands the devices in logit order to the memory
-ledger, then every other device cheapest first; the device that took the table gets the costs
-priced for it. Ties between equal logits (identical devices) are broken by device number, so a
+has no more than `m` devices), prices each as it is and were it to take the table, and hands
+the devices in logit order to the memory ledger, then every other device cheapest first; the
+device that took the table is priced again, alone, as it is then (the torch step prices every
+candidate for that in advance, to save a network call; here one row costs less than M). Ties
+between equal logits (identical devices) are broken by device number, so a
 plan can differ from the torch episode's by a relabelling of identical devices.
 """
 
@@ -22,6 +23,7 @@ import itertools
 
 import numpy as np
 import torch
+from threadpoolctl import threadpool_limits
 
 from embshard.plan import MemoryLedger
 from embshard.search.rl.env import TaskView, check_fits_anywhere
@@ -94,22 +96,22 @@ class NumpyDreamShard:
         """`DreamShardCostNet._payload`: (payload MB [R], the comm heads' extras [R, 3])."""
         d = np.float32(devices)
         volume = np.maximum(out_d * (d - 1) + (total - out_d), np.float32(0.0)) / max(d, np.float32(1.0))
-        logd = np.full_like(volume, np.log(max(d, np.float32(1.0))))
-        return volume, np.stack([np.log1p(volume), logd, np.log1p(total)], axis=-1)
+        extra = np.empty((len(volume), 3), dtype=np.float32)
+        extra[:, 0], extra[:, 1], extra[:, 2] = np.log1p(volume), np.log(max(d, np.float32(1.0))), np.log1p(total)
+        return volume, extra
 
     def costs(self, sums: np.ndarray, counts: np.ndarray, ctx_part: np.ndarray, total: np.ndarray, devices: int,
-              slowest: float, pre: np.ndarray | None = None, feats: np.ndarray | None = None,
-              compute: np.ndarray | None = None) -> np.ndarray:
+              slowest: float, feats: np.ndarray | None = None, compute: np.ndarray | None = None) -> np.ndarray:
         """[R, 3] predicted ms (`DreamShardCostNet.device_costs` with a `TaskContext`) of R
         devices' sums [R, E] and counts [R], the context's part of the comm heads' first layer
-        `ctx_part` [R or 1, 2H], the task's payload MB `total` [R]; `pre`, `feats`, `compute`:
-        the devices' part of that layer, features and compute log where already known."""
+        `ctx_part` [R or 1, 2H] (the features of the max over the task's devices, through that
+        layer's columns for them), the task's payload MB `total` [R] and slowest compute (ms);
+        `feats`, `compute`: the devices' features and compute log where already known."""
         feats = self.features(sums) if feats is None else feats
         compute = self.compute_log(sums, counts, feats) if compute is None else compute
         volume, extra = self.payload(sums[:, -1], total, devices)
-        if pre is None:
-            pre = feats @ self.h_feat + extra @ self.h_extra + self.h1b
-        raw = _relu(pre + ctx_part) @ self.h2w + self.h2b
+        pre = feats @ self.h_feat + extra @ self.h_extra + self.h1b + ctx_part
+        raw = _relu(pre) @ self.h2w + self.h2b
         c_ms = _ms(compute)
         many = np.float32(1.0 if devices > 1 else 0.0)
         bw = many * (volume * self.rate[1] * np.exp(2.0 * np.tanh(raw[:, 1] / 2.0)) + self.base[1])
@@ -118,24 +120,17 @@ class NumpyDreamShard:
         return _ms(np.stack([compute, np.log1p(fw), np.log1p(bw)], axis=-1))
 
     def placement(self, s: np.ndarray, cnt: np.ndarray, table: np.ndarray, smax: np.ndarray, total: float,
-                  devices: int, slowest: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`DreamShardCostNet.placement_costs(..., taken=True)` for one episode: (now, with, taken)
-        [M, 3] ms of the candidates' sums s [M, E] and counts [M]."""
+                  devices: int, slowest: float) -> tuple[np.ndarray, np.ndarray]:
+        """`DreamShardCostNet.placement_costs` for one episode: (now, with) [M, 3] ms of the
+        candidates' sums s [M, E] and counts [M]."""
         m = len(s)
         sums2 = np.concatenate([s, s + table])
         cnt2 = np.concatenate([cnt, cnt + 1])
         feats = self.features(sums2)
-        compute = self.compute_log(sums2, cnt2, feats)
         total2 = np.repeat(np.array([total, total + table[-1]], dtype=np.float32), m)
-        _, extra = self.payload(sums2[:, -1], total2, devices)
-        pre = feats @ self.h_feat + extra @ self.h_extra + self.h1b
-        ctx = self.features(np.stack([smax, smax + table]))
-        ctx_part = np.concatenate([np.repeat(ctx @ self.h_ctx, m, axis=0),  # now, with: the same for every device
-                                   np.maximum(ctx[0], feats[m:]) @ self.h_ctx])  # taken: grown by that device only
-        rows = np.r_[0 : 2 * m, m : 2 * m]
-        out = self.costs(sums2[rows], cnt2[rows], ctx_part, total2[rows], devices, slowest, pre=pre[rows],
-                         feats=feats[rows], compute=compute[rows])
-        return out[:m], out[m : 2 * m], out[2 * m :]
+        ctx = self.features(np.stack([smax, smax + table])) @ self.h_ctx  # the same for every device of a block
+        out = self.costs(sums2, cnt2, np.repeat(ctx, m, axis=0), total2, devices, slowest, feats=feats)
+        return out[:m], out[m:]
 
     def logits(self, device_enc: np.ndarray, now: np.ndarray, taking: np.ndarray, table_enc: np.ndarray,
                even_ms: float) -> np.ndarray:
@@ -154,6 +149,13 @@ class NumpyDreamShard:
         encoding sums [D, E] and table counts [D] at its end). `enc_c`, `enc_p`: the cost
         network's and the policy's table encodings [N, E] (placement order); `init_costs`
         [D, 3]: the costs of the empty devices."""
+        # numpy's BLAS on one thread, as the planners' torch: its own pool would spin on every core
+        # (against the portfolio's other workers) for matrices this small
+        with threadpool_limits(1, user_api="blas"):
+            return self._episode(view, enc_c, enc_p, init_costs, max_candidates)
+
+    def _episode(self, view: TaskView, enc_c: torch.Tensor, enc_p: torch.Tensor, init_costs: torch.Tensor,
+                 max_candidates: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         task, n, d = view.task, view.num_tables, view.num_devices
         check_fits_anywhere(task)
         m = d if max_candidates is None else min(d, int(max_candidates))
@@ -186,7 +188,7 @@ class NumpyDreamShard:
             src = np.cumsum(keep) - 1  # each candidate's priced row
             src[empty] = src[np.argmax(empty)]
             rows = cand[keep]
-            now, taking, taken = self.placement(s[rows], cnt[rows], table, smax, total, d, slowest)
+            now, taking = self.placement(s[rows], cnt[rows], table, smax, total, d, slowest)
             table_p = enc_p[t]
             logits = self.logits(u[rows] * scale, now, taking, table_p, view.even_ms)[src]
             first = cand[np.argsort(-logits, kind="stable")]
@@ -197,11 +199,7 @@ class NumpyDreamShard:
             cnt[dev] += 1
             u[dev] += table_p
             smax = np.maximum(smax, s[dev])
-            hit = np.flatnonzero(cand == dev)
-            if len(hit):
-                costs[dev] = taken[src[hit[0]]]
-            else:  # a device past the scored ones (the ledger asked further): priced alone
-                ctx = self.features(smax) @ self.h_ctx
-                costs[dev] = self.costs(s[dev : dev + 1], cnt[dev : dev + 1], ctx, np.array([s[:, -1].sum()], dtype=np.float32),
-                                        d, slowest)[0]
+            # the device that took the table, priced as it is now (the devices' max grew by it alone)
+            costs[dev] = self.costs(s[dev : dev + 1], cnt[dev : dev + 1], self.features(smax) @ self.h_ctx,
+                                    np.array([s[:, -1].sum()], dtype=np.float32), d, slowest)[0]
         return out, s, cnt
