@@ -1,5 +1,6 @@
-"""DreamShard's argmax planning episode in numpy (search/rl/numpy_episode.py) against the torch
-networks and the torch rollout it stands in for, and `placement_costs` against `device_costs`."""
+"""DreamShard's and AutoShard's argmax planning episodes in numpy (search/rl/numpy_episode.py)
+against the torch networks and the torch rollout they stand in for, and `placement_costs`
+against `device_costs`."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import torch
 
 from embshard import Table, Task, validate
 from embshard.search.rl.env import best_plan, rollout
-from embshard.search.rl.nets import DreamShardCostNet, DreamShardPolicy, TaskContext, cost_features
-from embshard.search.rl.numpy_episode import NumpyDreamShard, supported
-from embshard.search.rl.sharders import DreamShardSharder
+from embshard.search.rl.nets import AutoShardNet, DreamShardCostNet, DreamShardPolicy, TaskContext, cost_features
+from embshard.search.rl.numpy_episode import NumpyAutoShard, NumpyDreamShard, autoshard_supported
+from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
 
-SHIPPED = "checkpoints/dreamshard_cpu/policy.pt"
+SHARDERS = {"dreamshard": DreamShardSharder, "autoshard": AutoShardSharder}
 
 
 def make_task(n: int, d: int, seed: int = 0, batch: int = 4096, slack: float = 1.5) -> Task:
@@ -79,7 +80,7 @@ def test_placement_costs_are_device_costs_of_the_three_blocks_and_numpy_agrees(s
         u = torch.rand(m, policy.encoder[-2].out_features)
         tenc = torch.rand(policy.encoder[-2].out_features)
         want = policy.logits(u[None], cost_features(want_now, 2.0), tenc[None], cost_features(want_with, 2.0))[0]
-        got = fast.logits(u.numpy(), n_now, n_with, tenc.numpy(), 2.0)
+        got = fast.policy_logits(u.numpy(), n_now, n_with, tenc.numpy(), 2.0)
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
 
 
@@ -103,10 +104,39 @@ def groups(devices: torch.Tensor) -> list[tuple[int, ...]]:
     return sorted(tuple(v) for v in by.values())
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_numpy_autoshard_costs_and_logits_equal_the_torch_network(seed):
+    torch.manual_seed(seed)
+    net = AutoShardNet(8, hidden=16, out=6, head_hidden=10, lstm_hidden=7, scorer_hidden=9)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    assert autoshard_supported(net)
+    fast = NumpyAutoShard(net)
+    with torch.no_grad():
+        sums, counts, _, cand = random_state(net.width, 9, 5, seed)
+        cost = net.shard_cost(sums, counts)
+        np.testing.assert_allclose(fast.shard_cost(sums.numpy(), counts.numpy()), cost.numpy(), rtol=1e-4, atol=1e-5)
+        used, state = torch.rand(9), torch.rand(7)
+        even, scale = 1.7, 9 / 20
+        feats = torch.stack([torch.log1p(cost), cost / even, used], dim=-1)
+        want = net.logits(state[None], net.actions(sums * scale, feats)[None], feats[None])[0][cand]
+        fast.s, fast.cnt, fast.cost, fast.used = sums.numpy(), counts.numpy(), cost.numpy(), used.numpy()
+        fast.h, fast.scale, fast.even = state[None].numpy(), np.float32(scale), np.float32(even)
+        np.testing.assert_allclose(fast.logits(0, cand.numpy()), want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def groups(devices: torch.Tensor) -> list[tuple[int, ...]]:
+    """Tables (placement order) by device, the devices' labels left out."""
+    by: dict[int, list[int]] = {}
+    for t, dev in enumerate(devices.tolist()):
+        by.setdefault(dev, []).append(t)
+    return sorted(tuple(v) for v in by.values())
+
+
+@pytest.mark.parametrize("algorithm", ["dreamshard", "autoshard"])
 @pytest.mark.parametrize("n,d,m", [(40, 6, None), (60, 24, 8), (120, 40, 16)])
-def test_numpy_episode_places_every_table_where_the_torch_episode_does(n, d, m):
-    agent = DreamShardSharder(SHIPPED, samples=0).load()
-    assert supported(agent.costnet, agent.policy)
+def test_numpy_episode_places_every_table_where_the_torch_episode_does(algorithm, n, d, m):
+    agent = SHARDERS[algorithm](f"checkpoints/{algorithm}_cpu/policy.pt", samples=0).load()
     task = make_task(n, d, seed=n)
     with torch.inference_mode():
         view = agent.prepare(task)
@@ -115,20 +145,21 @@ def test_numpy_episode_places_every_table_where_the_torch_episode_does(n, d, m):
     # the same tables together; which of the identical empty devices takes a group is a tie the
     # kernels' rounding may break either way (torch's too, for rows of one call)
     assert groups(fast.devices[0]) == groups(torch_devices)
-    plan = fast.plan(0, "dreamshard")
+    plan = fast.plan(0, algorithm)
     validate(task, plan)
     # the estimate is the agent's estimate of that plan
     assert float(fast.estimated_ms[0]) == pytest.approx(agent.estimate_plan(task, plan), rel=1e-5)
 
 
-def test_argmax_planning_goes_through_numpy_and_sampling_through_torch(monkeypatch):
-    agent = DreamShardSharder(SHIPPED, samples=0).load()
+@pytest.mark.parametrize("algorithm,cls", [("dreamshard", NumpyDreamShard), ("autoshard", NumpyAutoShard)])
+def test_argmax_planning_goes_through_numpy_and_sampling_through_torch(monkeypatch, algorithm, cls):
+    agent = SHARDERS[algorithm](f"checkpoints/{algorithm}_cpu/policy.pt", samples=0).load()
     task = make_task(30, 10)
     calls = []
-    real = NumpyDreamShard.episode
-    monkeypatch.setattr(NumpyDreamShard, "episode", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    argmax, _ = best_plan(agent, task, 0, algorithm="dreamshard", max_candidates=4)
+    real = cls.episode
+    monkeypatch.setattr(cls, "episode", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    argmax, _ = best_plan(agent, task, 0, algorithm=algorithm, max_candidates=4)
     assert calls == [1]
-    best_plan(agent, task, 3, generator=torch.Generator().manual_seed(0), algorithm="dreamshard", max_candidates=4)
+    best_plan(agent, task, 3, generator=torch.Generator().manual_seed(0), algorithm=algorithm, max_candidates=4)
     assert calls == [1]  # sampled episodes run in the torch rollout
     validate(task, argmax)

@@ -58,6 +58,13 @@ def _pad(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
     return torch.cat([Fn.pad(r, (0, width - r.shape[1])) for r in rows], dim=0)
 
 
+def _argmax_rollouts(agent, view: TaskView, state: dict[str, torch.Tensor], devices) -> Rollouts:
+    """A numpy argmax episode as `env.rollout` returns it: `state` holds the end's sums and counts."""
+    overflow = torch.zeros(1, dtype=torch.bool)
+    return Rollouts(view, torch.from_numpy(devices)[None], torch.ones(1, view.num_tables, dtype=torch.bool),
+                    agent.estimate(view, state), agent.reward(view, state, overflow), overflow)
+
+
 class _Estimating:
     """Estimate a given plan by replaying it as an episode."""
 
@@ -109,12 +116,11 @@ class DreamShardAgent(_Estimating):
             return None
         state = self.init_state(view, 1)
         fast = numpy_episode.NumpyDreamShard(self.costnet, self.policy)
-        devices, sums, counts = fast.episode(view, view.cache["enc_c"], state["enc_p"], state["costs"][0], max_candidates)
+        devices, sums, counts = fast.episode(view, max_candidates, enc_c=view.cache["enc_c"], enc_p=state["enc_p"],
+                                             init_costs=state["costs"][0])
         state["S"], state["cnt"] = torch.from_numpy(sums)[None], torch.from_numpy(counts)[None]
         state["costs"] = self.costnet.device_costs(state["S"], state["cnt"])
-        overflow = torch.zeros(1, dtype=torch.bool)
-        return Rollouts(view, torch.from_numpy(devices)[None], torch.ones(1, view.num_tables, dtype=torch.bool),
-                        self.estimate(view, state), self.reward(view, state, overflow), overflow)
+        return _argmax_rollouts(self, view, state, devices)
 
     # ------------------------------------------------------------------ episode
     @torch.no_grad()
@@ -301,6 +307,16 @@ class AutoShardAgent(_Estimating):
         view.cache["enc"] = enc[view.order]
         view.cache["h"] = self.states(view.cache["enc"])
         return view
+
+    @torch.no_grad()
+    def argmax_episode(self, view: TaskView, max_candidates: int | None) -> Rollouts | None:
+        """The argmax planning episode in numpy (`numpy_episode`), for the shipped kind of network."""
+        if not numpy_episode.autoshard_supported(self.net):
+            return None
+        fast = numpy_episode.NumpyAutoShard(self.net)
+        devices, sums, counts = fast.episode(view, max_candidates, enc=view.cache["enc"], h=view.cache["h"])
+        state = {"S": torch.from_numpy(sums)[None], "cnt": torch.from_numpy(counts)[None]}
+        return _argmax_rollouts(self, view, state, devices)
 
     def init_state(self, view, k, lazy: bool = False):
         d = view.num_devices

@@ -1,20 +1,19 @@
-"""DreamShard's argmax planning episode in numpy: the same networks and the same steps as the
-torch rollout (`env.rollout`, train=False, one episode), for planning only.
+"""DreamShard's and AutoShard's argmax planning episodes in numpy: the same networks and the
+same steps as the torch rollout (`env.rollout`, train=False, one episode), for planning only.
 
-A planning step is about a hundred tiny tensor operations on at most `max_candidates` devices;
-through torch each pays several microseconds of dispatch, which is most of a step, and 5,384
-tables take 5,384 steps. numpy's operations cost a fraction of that. The weights are copied out
-of the torch modules once per episode, so a checkpoint is still the one source of truth, and
+A planning step is dozens of tiny tensor operations on at most `max_candidates` devices; through
+torch each pays several microseconds of dispatch, which is most of a step, and 5,384 tables take
+5,384 steps. numpy's operations cost a fraction of that. The weights are copied out of the torch
+modules once per episode, so a checkpoint is still the one source of truth, and
 tests/test_rl_numpy_episode.py checks that the costs and logits equal the torch modules' and
 that both episodes place tables alike.
 
 Each step scores the `m` devices whose predicted cost is lowest now (all of them when the task
-has no more than `m` devices), prices each as it is and were it to take the table, and hands
-the devices in logit order to the memory ledger, then every other device cheapest first; the
-device that took the table is priced again, alone, as it is then (the torch step prices every
-candidate for that in advance, to save a network call; here one row costs less than M). Ties
-between equal logits (identical devices) are broken by device number, so a
-plan can differ from the torch episode's by a relabelling of identical devices.
+has no more than `m` devices) and hands them in logit order to the memory ledger, then every
+other device cheapest first; the device that took the table is priced again, alone (the lazy
+torch step prices every DreamShard candidate for that in advance, to save a network call; here
+one row costs less than M). Ties between equal logits (identical devices) are broken by device
+number, so a plan can differ from the torch episode's by a relabelling of identical devices.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from threadpoolctl import threadpool_limits
 
 from embshard.plan import MemoryLedger
 from embshard.search.rl.env import TaskView, check_fits_anywhere
-from embshard.search.rl.nets import COST_FEATURES, DreamShardCostNet, DreamShardPolicy
+from embshard.search.rl.nets import COST_FEATURES, AutoShardNet, DreamShardCostNet, DreamShardPolicy
 
 
 def supported(costnet: DreamShardCostNet, policy: DreamShardPolicy) -> bool:
@@ -35,6 +34,12 @@ def supported(costnet: DreamShardCostNet, policy: DreamShardPolicy) -> bool:
     policy with its skip path); other variants plan through torch."""
     return (costnet.structured_comm and costnet.encoder.own is not None and policy.encode_table
             and policy.skip is not None and len(policy.scorer) == 3 and len(costnet.compute) == 3)
+
+
+def autoshard_supported(net: AutoShardNet) -> bool:
+    """The shipped kind of AutoShard (additive encoder, skip path); others plan through torch."""
+    return (net.encoder.own is not None and net.encoder.volume is None and net.skip is not None
+            and len(net.scorer) == 3 and len(net.cost_head) == 3)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -50,8 +55,87 @@ def _ms(y: np.ndarray) -> np.ndarray:
     return np.expm1(np.clip(y, np.float32(0.0), np.float32(20.0)))
 
 
-class NumpyDreamShard:
-    """The weights of a DreamShard cost network and policy as numpy arrays, and one argmax
+class _Episode:
+    """The planning loop both agents share; a subclass keeps the devices' state (`start`,
+    `took`), each device's predicted cost now (`scores`) and scores candidates (`logits`)."""
+
+    s: np.ndarray  # [D, E] the devices' encoding sums
+    cnt: np.ndarray  # [D] their table counts
+    used: np.ndarray  # [D] the share of each device's memory in use
+    out: int  # the encoder's columns before its additive ones (`ShardEncoder.out`)
+    c1w: np.ndarray  # the compute head's two layers: [E, H], [H], [H], a scalar bias
+    c1b: np.ndarray
+    c2w: np.ndarray
+    c2b: float
+
+    def features(self, sums: np.ndarray) -> np.ndarray:
+        """`ShardEncoder.features`."""
+        o = self.out
+        return np.concatenate([sums[..., :o], np.log1p(sums[..., o:])], axis=-1)
+
+    def compute_log(self, sums: np.ndarray, counts: np.ndarray, feats: np.ndarray) -> np.ndarray:
+        """`ShardEncoder.compute_log` (additive) of sums [R, E], counts [R], their features."""
+        y = _relu(feats @ self.c1w + self.c1b) @ self.c2w + self.c2b
+        return np.log1p(sums[:, self.out] * np.exp(np.tanh(y))) * (counts > 0)
+
+    def start(self, view: TaskView, **inputs: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def scores(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def logits(self, t: int, rows: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def took(self, t: int, dev: int) -> None:
+        raise NotImplementedError
+
+    def episode(self, view: TaskView, max_candidates: int | None,
+                **inputs: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The argmax episode: (the device of each table [N] in placement order, the devices'
+        encoding sums [D, E] and table counts [D] at its end). `inputs`: the agent's per-task
+        tensors (`start`)."""
+        # numpy's BLAS on one thread, as the planners' torch: its own pool would spin on every core
+        # (against the portfolio's other workers) for matrices this small
+        with threadpool_limits(1, user_api="blas"):
+            return self._run(view, max_candidates, inputs)
+
+    def _run(self, view: TaskView, max_candidates: int | None, inputs: dict[str, torch.Tensor]):
+        task, n, d = view.task, view.num_tables, view.num_devices
+        check_fits_anywhere(task)
+        m = d if max_candidates is None else min(d, int(max_candidates))
+        self.start(view, **inputs)
+        ledger = MemoryLedger(task, pending=view.needs)
+        free = np.asarray(ledger.free, dtype=np.float64)
+        memory = float(task.device_memory_bytes)
+        self.used = np.zeros(d, dtype=np.float32)
+        tables = view.tables
+        out = np.empty(n, dtype=np.int64)
+        for t in range(n):
+            need = view.needs[t]
+            score = self.scores().astype(np.float64)
+            score[free < need] = np.inf
+            order = np.argsort(score, kind="stable")  # cheapest first; ties (identical devices): lowest first
+            cand = order[:m]
+            # empty devices are identical: one is scored for all (numpy's kernels may round the same
+            # row differently at another position, which would break their tie at random)
+            empty = self.cnt[cand] == 0
+            keep = ~empty
+            keep[np.argmax(empty)] = True
+            src = np.cumsum(keep) - 1  # each candidate's scored row
+            src[empty] = src[np.argmax(empty)]
+            logits = self.logits(t, cand[keep])[src]
+            first = cand[np.argsort(-logits, kind="stable")]
+            dev = ledger.place(tables[t], need, itertools.chain(first.tolist(), order[m:].tolist()))
+            out[t] = dev
+            free[dev] = ledger.free[dev]
+            self.used[dev] = 1.0 - ledger.free[dev] / memory
+            self.took(t, dev)
+        return out, self.s, self.cnt
+
+
+class NumpyDreamShard(_Episode):
+    """The weights of a DreamShard cost network and policy as numpy arrays, and its argmax
     planning episode over them (see module doc)."""
 
     def __init__(self, costnet: DreamShardCostNet, policy: DreamShardPolicy):
@@ -81,16 +165,6 @@ class NumpyDreamShard:
         self.s2b = float((s2.bias + policy.skip.bias).detach()[0])
 
     # ------------------------------------------------------------------ networks
-    def features(self, sums: np.ndarray) -> np.ndarray:
-        """`ShardEncoder.features`."""
-        o = self.out
-        return np.concatenate([sums[..., :o], np.log1p(sums[..., o:])], axis=-1)
-
-    def compute_log(self, sums: np.ndarray, counts: np.ndarray, feats: np.ndarray) -> np.ndarray:
-        """`ShardEncoder.compute_log` (additive)."""
-        y = _relu(feats @ self.c1w + self.c1b) @ self.c2w + self.c2b
-        return np.log1p(sums[:, self.out] * np.exp(np.tanh(y))) * (counts > 0)
-
     @staticmethod
     def payload(out_d: np.ndarray, total: np.ndarray, devices: int) -> tuple[np.ndarray, np.ndarray]:
         """`DreamShardCostNet._payload`: (payload MB [R], the comm heads' extras [R, 3])."""
@@ -132,8 +206,8 @@ class NumpyDreamShard:
         out = self.costs(sums2, cnt2, np.repeat(ctx, m, axis=0), total2, devices, slowest, feats=feats)
         return out[:m], out[m:]
 
-    def logits(self, device_enc: np.ndarray, now: np.ndarray, taking: np.ndarray, table_enc: np.ndarray,
-               even_ms: float) -> np.ndarray:
+    def policy_logits(self, device_enc: np.ndarray, now: np.ndarray, taking: np.ndarray, table_enc: np.ndarray,
+                      even_ms: float) -> np.ndarray:
         """`DreamShardPolicy.logits` of M devices (device encodings [M, E] already scaled)."""
         scale = np.float32(max(even_ms, 1e-3))
         raw = np.concatenate([np.log1p(now), now / scale, np.log1p(taking), taking / scale], axis=-1)  # [M, 12]
@@ -143,63 +217,83 @@ class NumpyDreamShard:
         return np.concatenate([h, raw], axis=-1) @ self.s2w + self.s2b
 
     # ------------------------------------------------------------------ episode
-    def episode(self, view: TaskView, enc_c: torch.Tensor, enc_p: torch.Tensor, init_costs: torch.Tensor,
-                max_candidates: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The argmax episode: (the device of each table [N] in placement order, the devices'
-        encoding sums [D, E] and table counts [D] at its end). `enc_c`, `enc_p`: the cost
-        network's and the policy's table encodings [N, E] (placement order); `init_costs`
-        [D, 3]: the costs of the empty devices."""
-        # numpy's BLAS on one thread, as the planners' torch: its own pool would spin on every core
-        # (against the portfolio's other workers) for matrices this small
-        with threadpool_limits(1, user_api="blas"):
-            return self._episode(view, enc_c, enc_p, init_costs, max_candidates)
+    def start(self, view: TaskView, enc_c: torch.Tensor, enc_p: torch.Tensor, init_costs: torch.Tensor) -> None:
+        """`enc_c`, `enc_p`: the cost network's and the policy's table encodings [N, E] (placement
+        order); `init_costs` [D, 3]: the costs of the empty devices."""
+        d = view.num_devices
+        self.enc_c, self.enc_p = _np(enc_c), _np(enc_p)
+        self.s = np.zeros((d, self.enc_c.shape[1]), dtype=np.float32)
+        self.smax = np.zeros(self.enc_c.shape[1], dtype=np.float32)
+        self.cnt = np.zeros(d, dtype=np.float32)
+        self.u = np.zeros((d, self.enc_p.shape[1]), dtype=np.float32)
+        self.device_costs = _np(init_costs)
+        self.scale, self.even_ms, self.devices = np.float32(d / view.num_tables), view.even_ms, d
 
-    def _episode(self, view: TaskView, enc_c: torch.Tensor, enc_p: torch.Tensor, init_costs: torch.Tensor,
-                 max_candidates: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        task, n, d = view.task, view.num_tables, view.num_devices
-        check_fits_anywhere(task)
-        m = d if max_candidates is None else min(d, int(max_candidates))
-        enc_c, enc_p = _np(enc_c), _np(enc_p)
-        width = enc_c.shape[1]
-        s = np.zeros((d, width), dtype=np.float32)
-        smax = np.zeros(width, dtype=np.float32)
-        cnt = np.zeros(d, dtype=np.float32)
-        u = np.zeros((d, enc_p.shape[1]), dtype=np.float32)
-        costs = _np(init_costs)
-        ledger = MemoryLedger(task, pending=view.needs)
-        free = np.asarray(ledger.free, dtype=np.float64)
-        scale = np.float32(d / n)
-        tables = view.tables
-        out = np.empty(n, dtype=np.int64)
-        for t in range(n):
-            need = view.needs[t]
-            score = costs.sum(axis=1).astype(np.float64)
-            score[free < need] = np.inf
-            order = np.argsort(score, kind="stable")  # cheapest first; ties (identical devices): lowest first
-            cand = order[:m]
-            table = enc_c[t]
-            total = float(s[:, -1].sum())
-            slowest = float(costs[:, 0].max())
-            # empty devices are identical: one is priced for all (numpy's kernels may round the same
-            # row differently at another position, which would break their tie at random)
-            empty = cnt[cand] == 0
-            keep = ~empty
-            keep[np.argmax(empty)] = True
-            src = np.cumsum(keep) - 1  # each candidate's priced row
-            src[empty] = src[np.argmax(empty)]
-            rows = cand[keep]
-            now, taking = self.placement(s[rows], cnt[rows], table, smax, total, d, slowest)
-            table_p = enc_p[t]
-            logits = self.logits(u[rows] * scale, now, taking, table_p, view.even_ms)[src]
-            first = cand[np.argsort(-logits, kind="stable")]
-            dev = ledger.place(tables[t], need, itertools.chain(first.tolist(), order[m:].tolist()))
-            out[t] = dev
-            free[dev] = ledger.free[dev]
-            s[dev] += table
-            cnt[dev] += 1
-            u[dev] += table_p
-            smax = np.maximum(smax, s[dev])
-            # the device that took the table, priced as it is now (the devices' max grew by it alone)
-            costs[dev] = self.costs(s[dev : dev + 1], cnt[dev : dev + 1], self.features(smax) @ self.h_ctx,
-                                    np.array([s[:, -1].sum()], dtype=np.float32), d, slowest)[0]
-        return out, s, cnt
+    def scores(self) -> np.ndarray:
+        return self.device_costs.sum(axis=1)
+
+    def logits(self, t: int, rows: np.ndarray) -> np.ndarray:
+        total, slowest = float(self.s[:, -1].sum()), float(self.device_costs[:, 0].max())
+        now, taking = self.placement(self.s[rows], self.cnt[rows], self.enc_c[t], self.smax, total, self.devices, slowest)
+        return self.policy_logits(self.u[rows] * self.scale, now, taking, self.enc_p[t], self.even_ms)
+
+    def took(self, t: int, dev: int) -> None:
+        slowest = float(self.device_costs[:, 0].max())
+        self.s[dev] += self.enc_c[t]
+        self.cnt[dev] += 1
+        self.u[dev] += self.enc_p[t]
+        self.smax = np.maximum(self.smax, self.s[dev])
+        # priced as it is now (the devices' max grew by this device alone)
+        self.device_costs[dev] = self.costs(self.s[dev : dev + 1], self.cnt[dev : dev + 1],
+                                            self.features(self.smax) @ self.h_ctx,
+                                            np.array([self.s[:, -1].sum()], dtype=np.float32), self.devices, slowest)[0]
+
+
+class NumpyAutoShard(_Episode):
+    """The weights of an AutoShard network as numpy arrays, and its argmax planning episode
+    over them: the LSTM's states come in per table (`AutoShardAgent.prepare` computes them)."""
+
+    def __init__(self, net: AutoShardNet):
+        if not autoshard_supported(net):
+            raise ValueError("NumpyAutoShard needs an additive encoder and the skip path")
+        self.out = net.encoder.out
+        c1, c2 = net.cost_head[0], net.cost_head[2]
+        self.c1w, self.c1b, self.c2w, self.c2b = _np(c1.weight.T), _np(c1.bias), _np(c2.weight[0]), float(c2.bias.detach()[0])
+        self.aw, self.ab = _np(net.action.weight.T), _np(net.action.bias)
+        s1, s2 = net.scorer[0], net.scorer[2]
+        h = net.action.out_features
+        w = _np(s1.weight.T)  # [3H, S]: rows for the state, the action, their product
+        self.s_state, self.s_action, self.s_both, self.s1b = w[:h], w[h : 2 * h], w[2 * h :], _np(s1.bias)
+        self.s2w, self.s2b = _np(s2.weight[0]), float(s2.bias.detach()[0])
+        self.kw, self.kb = _np(net.skip.weight[0]), float(net.skip.bias.detach()[0])
+
+    def shard_cost(self, sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """`AutoShardNet.shard_cost` (ms) of shards' sums [R, E] and counts [R]."""
+        return _ms(self.compute_log(sums, counts, self.features(sums)))
+
+    def start(self, view: TaskView, enc: torch.Tensor, h: torch.Tensor) -> None:
+        """`enc`: the table encodings [N, E], `h`: the LSTM's state at each table [N, H] (placement order)."""
+        d = view.num_devices
+        self.enc, self.h = _np(enc), _np(h)
+        self.s = np.zeros((d, self.enc.shape[1]), dtype=np.float32)
+        self.cnt = np.zeros(d, dtype=np.float32)
+        self.cost = np.zeros(d, dtype=np.float32)  # an empty device computes nothing
+        self.scale, self.even = np.float32(d / view.num_tables), np.float32(max(view.even_ms, 1e-3))
+
+    def scores(self) -> np.ndarray:
+        return self.cost
+
+    def logits(self, t: int, rows: np.ndarray) -> np.ndarray:
+        """`AutoShardNet.logits` of the devices `rows`: the scorer's first layer on [state, action,
+        state x action] as action @ (W_action + state x W_both) + state @ W_state."""
+        c = self.cost[rows]
+        feats = np.stack([np.log1p(c), c / self.even, self.used[rows]], axis=-1)
+        a = _relu(np.concatenate([self.features(self.s[rows] * self.scale), feats], axis=-1) @ self.aw + self.ab)
+        state = self.h[t]
+        pre = a @ (self.s_action + state[:, None] * self.s_both) + (state @ self.s_state + self.s1b)
+        return _relu(pre) @ self.s2w + self.s2b + feats @ self.kw + self.kb
+
+    def took(self, t: int, dev: int) -> None:
+        self.s[dev] += self.enc[t]
+        self.cnt[dev] += 1
+        self.cost[dev] = self.shard_cost(self.s[dev : dev + 1], self.cnt[dev : dev + 1])[0]
