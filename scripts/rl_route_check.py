@@ -1,0 +1,87 @@
+"""Do a planner's plans change for the worse between two versions of the code? Plans 16 generated
+large tasks (200-2,000 tables, 160-1,024 devices, batch 2,048-65,536, dims 4-256, heavy-tailed
+rows, no histograms: sizes where DreamShard and AutoShard plan with the argmax episode alone)
+with one portfolio member and records each plan's analytic cost and the CPU seconds of `shard()`
+(one thread); `compare` gives the paired ratio new / old with its bootstrap interval.
+
+    git worktree add /tmp/old <commit>
+    PYTHONPATH=/tmp/old/src python scripts/rl_route_check.py record old.json --member dreamshard
+    python scripts/rl_route_check.py record new.json --member dreamshard
+    python scripts/rl_route_check.py compare old.json new.json
+
+Used for the numpy planning episode (docs/portfolio.md, "DreamShard and AutoShard plan in
+numpy"); its records are docs/portfolio/eval/numpy_route_<member>_{old,new}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from embshard import Table, Task
+from embshard.costs.analytic import AnalyticCostModel
+from embshard.io import write_json_atomic
+from embshard.search.portfolio import default_members
+from embshard.stats import paired_ratio_summary
+
+TASKS = 16
+
+
+def task(i: int) -> Task:
+    rng = np.random.default_rng(1000 + i)
+    n = int(rng.choice([200, 400, 800, 1200, 2000]))
+    d = int(rng.choice([160, 256, 512, 1024]))
+    batch = int(rng.choice([2048, 8192, 16384, 65536]))
+    tables = tuple(Table(f"t{j}", int(min(5e7, 1000 * rng.pareto(1.2) * 50 + 100)), int(rng.choice([4, 8, 16, 32, 64, 128, 256])),
+                         float(rng.lognormal(1.5, 1.0))) for j in range(n))
+    probe = Task("p", d, 1, batch, tables)
+    need = [probe.table_memory_bytes(t) for t in tables]
+    return Task(f"q{i}-{n}x{d}", d, int(max(1.6 * sum(need) / d, 1.1 * max(need))), batch, tables)
+
+
+def record(out: str, member: str) -> None:
+    torch.set_num_threads(1)
+    s = default_members()[member]
+    s.load()
+    rec = {}
+    for i in range(TASKS):
+        t = task(i)
+        c0 = time.process_time()
+        plan = s.shard(t)
+        cpu = time.process_time() - c0
+        cost = AnalyticCostModel().device_costs(t, plan).plan_cost_ms
+        rec[t.name] = {"cpu_seconds": cpu, "analytic_ms": cost, "samples": s.last_stats["samples"]}
+        print(f"{t.name}: {cpu:.2f} s CPU, analytic {cost:.2f} ms", flush=True)
+    write_json_atomic(out, {"member": member, "tasks": rec})
+
+
+def compare(old: str, new: str) -> None:
+    a, b = (json.load(open(p))["tasks"] for p in (old, new))
+    ratios = [b[k]["analytic_ms"] / a[k]["analytic_ms"] for k in a]
+    print(f"analytic cost new / old over {len(ratios)} tasks: {paired_ratio_summary(ratios).text(4)} "
+          f"(worst {max(ratios):.4f}x)")
+    print(f"CPU seconds: {sum(x['cpu_seconds'] for x in a.values()):.1f} -> {sum(x['cpu_seconds'] for x in b.values()):.1f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record")
+    r.add_argument("out")
+    r.add_argument("--member", default="dreamshard", choices=["dreamshard", "autoshard", "neuroshard"])
+    c = sub.add_parser("compare")
+    c.add_argument("old")
+    c.add_argument("new")
+    args = ap.parse_args()
+    if args.cmd == "record":
+        record(args.out, args.member)
+    else:
+        compare(args.old, args.new)
+
+
+if __name__ == "__main__":
+    main()
