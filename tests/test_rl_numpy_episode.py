@@ -72,7 +72,7 @@ def test_placement_costs_are_device_costs_of_the_three_blocks_and_numpy_agrees(s
         taken_np = (s + table)[0].numpy()
         n_taken = np.concatenate([
             fast.costs(taken_np[i : i + 1], (c + 1)[0, i : i + 1].numpy(),
-                       fast.features(np.maximum(smax.numpy(), taken_np[i])) @ fast.h_ctx,
+                       fast.features(np.maximum(smax.numpy(), taken_np[i])[None]) @ fast.h_ctx,
                        total_if.numpy(), d, float(task.slowest_ms)) for i in range(m)])
         for got, want in ((n_now, want_now), (n_with, want_with), (n_taken, want_taken)):
             np.testing.assert_allclose(got, want[0].numpy(), rtol=1e-4, atol=1e-4)

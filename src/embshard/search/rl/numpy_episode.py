@@ -51,8 +51,8 @@ def _relu(x: np.ndarray) -> np.ndarray:
 
 
 def _ms(y: np.ndarray) -> np.ndarray:
-    """`nets.log1p_ms`."""
-    return np.expm1(np.clip(y, np.float32(0.0), np.float32(20.0)))
+    """`nets.log1p_ms` (np.clip's arithmetic without its wrappers: called thousands of times)."""
+    return np.expm1(np.minimum(np.maximum(y, np.float32(0.0)), np.float32(20.0)))
 
 
 class _Episode:
@@ -70,8 +70,9 @@ class _Episode:
 
     def features(self, sums: np.ndarray) -> np.ndarray:
         """`ShardEncoder.features`."""
-        o = self.out
-        return np.concatenate([sums[..., :o], np.log1p(sums[..., o:])], axis=-1)
+        feats = sums.copy()
+        np.log1p(feats[..., self.out :], out=feats[..., self.out :])
+        return feats
 
     def compute_log(self, sums: np.ndarray, counts: np.ndarray, feats: np.ndarray) -> np.ndarray:
         """`ShardEncoder.compute_log` (additive) of sums [R, E], counts [R], their features."""
@@ -178,20 +179,24 @@ class NumpyDreamShard(_Episode):
               slowest: float, feats: np.ndarray | None = None, compute: np.ndarray | None = None) -> np.ndarray:
         """[R, 3] predicted ms (`DreamShardCostNet.device_costs` with a `TaskContext`) of R
         devices' sums [R, E] and counts [R], the context's part of the comm heads' first layer
-        `ctx_part` [R or 1, 2H] (the features of the max over the task's devices, through that
-        layer's columns for them), the task's payload MB `total` [R] and slowest compute (ms);
-        `feats`, `compute`: the devices' features and compute log where already known."""
+        `ctx_part` [B, 2H] for B equal blocks of the rows (the features of the max over the task's
+        devices, through that layer's columns for them), the task's payload MB `total` [R] and
+        slowest compute (ms); `feats`, `compute`: the devices' features and compute log where
+        already known."""
         feats = self.features(sums) if feats is None else feats
         compute = self.compute_log(sums, counts, feats) if compute is None else compute
         volume, extra = self.payload(sums[:, -1], total, devices)
-        pre = feats @ self.h_feat + extra @ self.h_extra + self.h1b + ctx_part
+        pre = feats @ self.h_feat + extra @ self.h_extra + self.h1b
+        pre = (pre.reshape(len(ctx_part), -1, pre.shape[-1]) + ctx_part[:, None]).reshape(pre.shape)
         raw = _relu(pre) @ self.h2w + self.h2b
         c_ms = _ms(compute)
         many = np.float32(1.0 if devices > 1 else 0.0)
         bw = many * (volume * self.rate[1] * np.exp(2.0 * np.tanh(raw[:, 1] / 2.0)) + self.base[1])
         fw = many * (volume * self.rate[0] * np.exp(2.0 * np.tanh(raw[:, 0] / 2.0)) + self.base[0])
         fw = fw + np.maximum(np.maximum(np.float32(slowest), c_ms) - c_ms, np.float32(0.0))
-        return _ms(np.stack([compute, np.log1p(fw), np.log1p(bw)], axis=-1))
+        out = np.empty((len(compute), 3), dtype=np.float32)
+        out[:, 0], out[:, 1], out[:, 2] = compute, np.log1p(fw), np.log1p(bw)
+        return _ms(out)
 
     def placement(self, s: np.ndarray, cnt: np.ndarray, table: np.ndarray, smax: np.ndarray, total: float,
                   devices: int, slowest: float) -> tuple[np.ndarray, np.ndarray]:
@@ -203,7 +208,7 @@ class NumpyDreamShard(_Episode):
         feats = self.features(sums2)
         total2 = np.repeat(np.array([total, total + table[-1]], dtype=np.float32), m)
         ctx = self.features(np.stack([smax, smax + table])) @ self.h_ctx  # the same for every device of a block
-        out = self.costs(sums2, cnt2, np.repeat(ctx, m, axis=0), total2, devices, slowest, feats=feats)
+        out = self.costs(sums2, cnt2, ctx, total2, devices, slowest, feats=feats)
         return out[:m], out[m:]
 
     def policy_logits(self, device_enc: np.ndarray, now: np.ndarray, taking: np.ndarray, table_enc: np.ndarray,
@@ -245,7 +250,7 @@ class NumpyDreamShard(_Episode):
         self.smax = np.maximum(self.smax, self.s[dev])
         # priced as it is now (the devices' max grew by this device alone)
         self.device_costs[dev] = self.costs(self.s[dev : dev + 1], self.cnt[dev : dev + 1],
-                                            self.features(self.smax) @ self.h_ctx,
+                                            self.features(self.smax[None]) @ self.h_ctx,
                                             np.array([self.s[:, -1].sum()], dtype=np.float32), self.devices, slowest)[0]
 
 
