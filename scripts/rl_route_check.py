@@ -2,12 +2,14 @@
 large tasks (200-2,000 tables, 160-1,024 devices, batch 2,048-65,536, dims 4-256, heavy-tailed
 rows, no histograms: sizes where DreamShard and AutoShard plan with the argmax episode alone)
 with one portfolio member and records each plan's analytic cost and the CPU seconds of `shard()`
-(one thread); `compare` gives the paired ratio new / old with its bootstrap interval.
+(one thread), and the portfolio's ranker's (NeuroShard's cost models) estimate of it; `compare`
+gives the paired ratio new / old with its bootstrap interval. `--tasks` plans given task files
+instead (e.g. the validation tasks of `scripts/portfolio_eval.py tasks --split validation`).
 
     git worktree add /tmp/old <commit>
     PYTHONPATH=/tmp/old/src python scripts/rl_route_check.py record old.json --member dreamshard
     python scripts/rl_route_check.py record new.json --member dreamshard
-    python scripts/rl_route_check.py compare old.json new.json
+    python scripts/rl_route_check.py compare old.json new.json [--key ranker_ms]
 
 Used for the numpy planning episode (docs/portfolio.md, "DreamShard and AutoShard plan in
 numpy"); its records are docs/portfolio/eval/numpy_route_<member>_{old,new}.json.
@@ -25,7 +27,7 @@ import torch
 from embshard import Table, Task
 from embshard.costs.analytic import AnalyticCostModel
 from embshard.io import write_json_atomic
-from embshard.search.portfolio import default_members
+from embshard.search.portfolio import PortfolioSharder, default_members
 from embshard.stats import paired_ratio_summary
 
 TASKS = 16
@@ -43,27 +45,28 @@ def task(i: int) -> Task:
     return Task(f"q{i}-{n}x{d}", d, int(max(1.6 * sum(need) / d, 1.1 * max(need))), batch, tables)
 
 
-def record(out: str, member: str) -> None:
+def record(out: str, member: str, files: list[str]) -> None:
     torch.set_num_threads(1)
     s = default_members()[member]
     s.load()
+    ranker, _ = PortfolioSharder().ranking_model()
     rec = {}
-    for i in range(TASKS):
-        t = task(i)
+    for t in [Task.load(f) for f in files] if files else [task(i) for i in range(TASKS)]:
         c0 = time.process_time()
         plan = s.shard(t)
         cpu = time.process_time() - c0
         cost = AnalyticCostModel().device_costs(t, plan).plan_cost_ms
-        rec[t.name] = {"cpu_seconds": cpu, "analytic_ms": cost, "samples": s.last_stats["samples"]}
-        print(f"{t.name}: {cpu:.2f} s CPU, analytic {cost:.2f} ms", flush=True)
+        ranked = ranker.device_costs(t, plan).plan_cost_ms
+        rec[t.name] = {"cpu_seconds": cpu, "analytic_ms": cost, "ranker_ms": ranked, "samples": s.last_stats["samples"]}
+        print(f"{t.name}: {cpu:.2f} s CPU, analytic {cost:.2f} ms, ranker {ranked:.2f} ms", flush=True)
     write_json_atomic(out, {"member": member, "tasks": rec})
 
 
-def compare(old: str, new: str) -> None:
+def compare(old: str, new: str, key: str) -> None:
     a, b = (json.load(open(p))["tasks"] for p in (old, new))
-    ratios = [b[k]["analytic_ms"] / a[k]["analytic_ms"] for k in a]
-    print(f"analytic cost new / old over {len(ratios)} tasks: {paired_ratio_summary(ratios).text(4)} "
-          f"(worst {max(ratios):.4f}x)")
+    ratios = [b[k][key] / a[k][key] for k in a]
+    print(f"{key} new / old over {len(ratios)} tasks: {paired_ratio_summary(ratios).text(4)} "
+          f"(worst {max(ratios):.4f}x, equal on {sum(r == 1.0 for r in ratios)})")
     print(f"CPU seconds: {sum(x['cpu_seconds'] for x in a.values()):.1f} -> {sum(x['cpu_seconds'] for x in b.values()):.1f} s")
 
 
@@ -73,14 +76,16 @@ def main() -> None:
     r = sub.add_parser("record")
     r.add_argument("out")
     r.add_argument("--member", default="dreamshard", choices=["dreamshard", "autoshard", "neuroshard"])
+    r.add_argument("--tasks", nargs="*", default=[], help="task files (default: the 16 generated tasks)")
     c = sub.add_parser("compare")
     c.add_argument("old")
     c.add_argument("new")
+    c.add_argument("--key", default="analytic_ms", choices=["analytic_ms", "ranker_ms", "cpu_seconds"])
     args = ap.parse_args()
     if args.cmd == "record":
-        record(args.out, args.member)
+        record(args.out, args.member, args.tasks)
     else:
-        compare(args.old, args.new)
+        compare(args.old, args.new, args.key)
 
 
 if __name__ == "__main__":
