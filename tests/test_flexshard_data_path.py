@@ -10,8 +10,6 @@ training under the FlexShard plan lowers the loss.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -79,24 +77,14 @@ def test_data_path_matches_embedding_collection_and_traffic_model(tmp_path: Path
     }
     torch.save(inputs, tmp_path / "inputs.pt")
 
+    from _ranks import run_ranks
+
     worker = Path(__file__).with_name("_flexshard_worker.py")
-    root = str(Path(__file__).resolve().parents[1])  # dlrm/ lives at the repository root
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(WORLD), str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-             for r in range(WORLD)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=180)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{log[-3000:]}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # each rank its own process, started warm (tests/_ranks.py); dlrm/ is on the path there
+    done = run_ranks(worker, [[r, WORLD, tmp_path] for r in range(WORLD)], tmp_path, env=env, timeout=180)
+    for r, (code, log) in enumerate(done):
+        assert code == 0, f"rank {r} failed:\n{log[-3000:]}"
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
     # the reference: TorchRec's unsharded EmbeddingCollection on the whole global batch

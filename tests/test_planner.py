@@ -262,8 +262,15 @@ def test_dmp_runs_embshard_plans_like_torchrecs_own(tmp_path):
     control; and an EmbeddingCollection (sequence tables) planned with the heuristic: forward
     equals the unsharded model's on the same weights, backward runs, the constrained tables get
     their sharding types, collective_plan gives both ranks one plan."""
+    from _ranks import run_ranks
+
     specs = ["embshard:neuroshard", "embshard:size_lookup_greedy", "torchrec"]
-    _spawn([str(ROOT / "tests" / "_planner_worker.py"), "{rank}", "2", str(_free_port()), str(tmp_path), *specs])
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="offline")
+    done = run_ranks(ROOT / "tests" / "_planner_worker.py", [[rank, 2, port, tmp_path, *specs] for rank in range(2)],
+                     tmp_path, env=env, cwd=ROOT, timeout=300)  # each rank its own process, started warm
+    for rank, (code, out) in enumerate(done):
+        assert code == 0, f"rank {rank} failed:\n{out[-3000:]}"
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert set(r0) == {(m, s) for m in ("dlrm", "two_towers") for s in specs} | {("sequences", specs[1])}
     for key in r0:

@@ -301,31 +301,7 @@ def test_exported_plan_runs_under_distributed_model_parallel(tmp_path: Path):
     unsharded EmbeddingBagCollection's with the same weights."""
     task = _task()
     plan = _mixed_plan(task)
-    task.save(tmp_path / "task.json")
-    plan.save(tmp_path / "plan.json")
-    worker = Path(__file__).with_name("_dmp_worker.py")
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(rank), "2", str(port),
-             str(tmp_path / "task.json"), str(tmp_path / "plan.json"), str(tmp_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=120)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{out[-3000:]}"
+    _run_dmp_workers(tmp_path, task, plan, 2, None)
 
     total_cells = sum(t.rows * t.dim for t in task.tables)
     copied = 0
@@ -358,32 +334,20 @@ def _check_training_step(out_dir: Path, world_size: int, task: Task) -> None:
     assert checked == sum(t.rows * t.dim for t in task.tables)
 
 
-def _run_dmp_workers(tmp_path: Path, task: Task, plan: Plan, world_size: int, local_world_size: int) -> None:
+def _run_dmp_workers(tmp_path: Path, task: Task, plan: Plan, world_size: int, local_world_size: int | None) -> None:
+    """tests/_dmp_worker.py as `world_size` ranks, each its own process (started warm: tests/_ranks.py)."""
+    from _ranks import run_ranks
+
     task.save(tmp_path / "task.json")
     plan.save(tmp_path / "plan.json")
     worker = Path(__file__).with_name("_dmp_worker.py")
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(rank), str(world_size), str(port), str(tmp_path / "task.json"),
-             str(tmp_path / "plan.json"), str(tmp_path), str(local_world_size)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-        )
-        for rank in range(world_size)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=180)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{out[-3000:]}"
+    extra = [] if local_world_size is None else [local_world_size]
+    done = run_ranks(worker, [[rank, world_size, port, tmp_path / "task.json", tmp_path / "plan.json", tmp_path, *extra]
+                              for rank in range(world_size)], tmp_path, env=env, timeout=180)
+    for rank, (code, out) in enumerate(done):
+        assert code == 0, f"rank {rank} failed:\n{out[-3000:]}"
 
 
 @pytest.mark.slow
