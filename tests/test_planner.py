@@ -303,20 +303,21 @@ def test_example_trains_torchrecs_dlrm_on_two_processes(tmp_path):
     assert {s.replica for s in plan.shards if s.table == "t_cat_6"} == {0, 1}
 
 
-@pytest.mark.slow
-def test_shard_py_plans_constrained_tasks_and_evaluates_plan_files(tmp_path):
+def test_shard_py_plans_constrained_tasks_and_evaluates_plan_files(tmp_path, refused_in_process):
     """A task JSON with constraints is planned by shard.py's algorithms within them, and a plan
     file made elsewhere (as EmbShardPlanner(out_dir=...) writes it) is a row of its own, taken as
-    it is (its data_parallel table not shaped twice)."""
+    it is (its data_parallel table not shaped twice). shard.py's run in this process
+    (tests/_entry.py; its own process: tests/test_shard_cli.py)."""
+    from _entry import run_entry
+
     task = Task.load(ROOT / "examples" / "tasks" / "constrained.json")
     made = embshard.plan(task, algorithm="round_robin")
     made.algorithm = "made_elsewhere"
     made.save(tmp_path / "made.json")
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "shard.py"), f"task_file={ROOT / 'examples/tasks/constrained.json'}",
-                           f"plan_files=[{tmp_path / 'made.json'}]", "algorithms=[size_lookup_greedy,neuroshard]",
-                           "evaluate=estimated", f"out_dir={out}"], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, WANDB_MODE="offline"), timeout=300)
+    proc = run_entry("shard", f"task_file={ROOT / 'examples/tasks/constrained.json'}",
+                     f"plan_files=[{tmp_path / 'made.json'}]", "algorithms=[size_lookup_greedy,neuroshard]",
+                     "evaluate=estimated", f"out_dir={out}", env={"WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
     rows = {r["algorithm"]: r for r in report["results"]}
@@ -327,10 +328,10 @@ def test_shard_py_plans_constrained_tasks_and_evaluates_plan_files(tmp_path):
         validate(task, plan)
         assert sorted(s.device for s in plan.shards if s.table == "country") == [0, 1, 2, 3]
     assert Plan.load(out / "plans" / "made_elsewhere.json").signature() == made.signature()
-    bad = subprocess.run([sys.executable, str(ROOT / "shard.py"), f"task_file={ROOT / 'examples/tasks/small.json'}",
-                          f"plan_files=[{tmp_path / 'nope.json'}]", "algorithms=[]", "evaluate=none",
-                          f"out_dir={tmp_path / 'bad'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: ")
+    code, lines = refused_in_process(f"task_file={ROOT / 'examples/tasks/small.json'}",
+                                     f"plan_files=[{tmp_path / 'nope.json'}]", "algorithms=[]", "evaluate=none",
+                                     f"out_dir={tmp_path / 'bad'}", entry="shard")
+    assert code == 2 and lines[-1].startswith("error: ") and "nope.json" in lines[-1], lines
     assert not (tmp_path / "bad").exists()
 
 

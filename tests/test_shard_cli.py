@@ -32,14 +32,23 @@ def small_task(path: Path, name="small", devices=2, tables=8) -> Task:
 
 
 def run_shard(*overrides: str) -> subprocess.CompletedProcess:
+    """shard.py's own process (the contract: files, stdout, exit status and one error line)."""
     env = dict(os.environ, WANDB_MODE="offline", HYDRA_FULL_ERROR="0")
     return subprocess.run(
         [sys.executable, str(ROOT / "shard.py"), *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
 
 
+def run_shard_here(*overrides: str) -> subprocess.CompletedProcess:
+    """shard.py's run in this process (tests/_entry.py), where the process is not what is checked."""
+    from _entry import run_entry
+
+    return run_entry("shard", *overrides, env={"WANDB_MODE": "offline"})
+
+
 @pytest.mark.slow
 def test_contract_outputs_with_estimated_costs(tmp_path):
+    """Through shard.py's own process (the other success runs here run in this process)."""
     task = small_task(tmp_path / "task.json")
     out = tmp_path / "out"
     proc = run_shard(f"task_file={tmp_path / 'task.json'}", f"algorithms=[{','.join(BASELINES)}]", "evaluate=estimated", f"out_dir={out}")
@@ -60,7 +69,7 @@ def test_several_tasks_from_a_folder(tmp_path):
     small_task(tmp_path / "tasks" / "a.json", name="a")
     small_task(tmp_path / "tasks" / "b.json", name="b", devices=3)
     out = tmp_path / "out"
-    proc = run_shard(f"task_file={tmp_path / 'tasks'}", "algorithms=[size_greedy,random]", "evaluate=none", f"out_dir={out}")
+    proc = run_shard_here(f"task_file={tmp_path / 'tasks'}", "algorithms=[size_greedy,random]", "evaluate=none", f"out_dir={out}")
     assert proc.returncode == 0, proc.stderr
     assert (out / "plans" / "a" / "size_greedy.json").is_file() and (out / "plans" / "b" / "random.json").is_file()
 
@@ -151,7 +160,7 @@ def test_every_config_composes_and_instantiates():
 def test_measured_run_on_real_kernels_with_chart_guard_and_headroom(tmp_path):
     task = small_task(tmp_path / "task.json", tables=6)
     out = tmp_path / "out"
-    proc = run_shard(f"task_file={tmp_path / 'task.json'}", "algorithms=[size_greedy,lookup_greedy,neuroshard]",
+    proc = run_shard_here(f"task_file={tmp_path / 'task.json'}", "algorithms=[size_greedy,lookup_greedy,neuroshard]",
                      "evaluate=measured", "rounds=2", "measure=quick", "measure.repetitions=3",
                      "searchers.neuroshard.verify=2", "searchers.neuroshard.verify_heuristics=[size_greedy]",
                      "searchers.neuroshard.verify_visits=1", "searchers.neuroshard.verify_budget_s=20",
