@@ -303,12 +303,6 @@ def test_mismatched_plan_rejected_before_process_group(tiny_task, tmp_path, monk
     assert not (tmp_path / "run").exists()
 
 
-def _python(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.parametrize("content", [None, '{"task": "tiny", "algorithm": "x", "shards": [', "[1, 2]"])
 def test_missing_or_malformed_plan_file_one_line_error(tiny_task, tmp_path, content, monkeypatch, refused_in_process):
     """train.py's run under its error handler, in this process (the refusal comes before any
@@ -324,12 +318,14 @@ def test_missing_or_malformed_plan_file_one_line_error(tiny_task, tmp_path, cont
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
 def test_single_process_run_on_criteo_tsv(tmp_path):
     """One process (no torchrun): a 1-device task trained on a Criteo TSV, several epochs. Every
     label in the file is 0, so each optimizer step on the file's samples moves the model towards
     predicting 0: the loss falls window after window (with the random labels of a real day it
-    need not)."""
+    need not). train.py's run in this process (tests/_entry.py; its own process: the torchrun
+    tests above)."""
+    from _entry import run_entry
+
     rng = np.random.default_rng(0)
     with open(tmp_path / "day.tsv", "w") as f:
         for _ in range(100):
@@ -339,9 +335,10 @@ def test_single_process_run_on_criteo_tsv(tmp_path):
     task = small_task(num_devices=1, dims=(8, 16, 8), batch=16, name="one")
     task.save(tmp_path / "task.json")
     out = tmp_path / "run"
-    r = _python(["stage=dlrm", *TINY, f"dlrm.task_file={tmp_path / 'task.json'}", "dlrm.plan=size_greedy",
-                 "dlrm.data=criteo", f"dlrm.criteo_files=[{tmp_path / 'day.tsv'}]", "dlrm.steps=15",
-                 "dlrm.wandb.enabled=false", f"out_dir={out}", "progress=false"], tmp_path)
+    r = run_entry("train", "stage=dlrm", *TINY, f"dlrm.task_file={tmp_path / 'task.json'}", "dlrm.plan=size_greedy",
+                  "dlrm.data=criteo", f"dlrm.criteo_files=[{tmp_path / 'day.tsv'}]", "dlrm.steps=15",
+                  "dlrm.wandb.enabled=false", f"out_dir={out}", "progress=false", cwd=tmp_path,
+                  env={"WANDB_MODE": "offline"})
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["steps"] == 15  # 100 lines / 16 = 6 batches an epoch
@@ -402,10 +399,13 @@ def test_interleaving_rotates_order_and_feeds_every_plan_the_same_batches():
 
 
 def test_dlrm_task_stage_filters_the_pool(tmp_path, monkeypatch, refused_in_process):
+    """train.py's runs in this process (tests/_entry.py, and the refusal under its handler)."""
+    from _entry import run_entry
+
     data = tmp_path / "syn.pt"
     common = ["experiment=e2e_tiny", f"dataset.path={data}", "dataset.num_tables=24", "dataset.batch_size=256"]
-    r = _python(["stage=dlrm_task", *common, "dlrm.task.num_tables=5", "dlrm.task.min_pooling_factor=2",
-                 "dlrm.task.max_rows=100000", f"out_dir={tmp_path / 'out'}"], tmp_path)
+    r = run_entry("train", "stage=dlrm_task", *common, "dlrm.task.num_tables=5", "dlrm.task.min_pooling_factor=2",
+                  "dlrm.task.max_rows=100000", f"out_dir={tmp_path / 'out'}", cwd=tmp_path, env={"WANDB_MODE": "offline"})
     assert r.returncode == 0, r.stderr[-2000:]
     task = Task.load(tmp_path / "out" / "task.json")
     assert len(task.tables) == 5 and task.num_devices == 2 and task.batch_size == 64

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,18 +14,16 @@ from embshard import Task
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_train(*overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, WANDB_MODE="offline")
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
-@pytest.mark.slow
 def test_tasks_stage_writes_valid_tasks_and_config(tmp_path):
+    """train.py's run in this process (tests/_entry.py); its own process runs in the torchrun tests
+    of test_dlrm.py and test_cluster.py and the --help and misspelt-key tests."""
+    from _entry import run_entry
+
     data = tmp_path / "syn.pt"
     out = tmp_path / "tasks"
-    proc = run_train("stage=tasks", f"dataset.path={data}", "dataset.num_tables=40", "dataset.batch_size=256",
-                     "task.num_tasks=3", "task.min_tables=5", "task.max_tables=12", f"out_dir={out}")
+    proc = run_entry("train", "stage=tasks", f"dataset.path={data}", "dataset.num_tables=40", "dataset.batch_size=256",
+                     "task.num_tasks=3", "task.min_tables=5", "task.max_tables=12", f"out_dir={out}",
+                     env={"WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr
     tasks = [Task.load(p) for p in sorted(out.glob("*.json"))]
     assert len(tasks) == 3
@@ -39,7 +34,7 @@ def test_tasks_stage_writes_valid_tasks_and_config(tmp_path):
 
 
 def test_dreamshard_stage_splits_tables(tmp_path):
-    """The stage's run in this process (train.py's own process: the test above)."""
+    """The stage's run in this process, with another task kind than the test above."""
     import train
 
     out = tmp_path / "ds"
