@@ -34,6 +34,19 @@ def refused_in_process(capsys):
     return run
 
 
+@pytest.fixture(scope="session")
+def shard_help() -> str:
+    """`python shard.py --help` from shard.py's own process: run once for the tests that read it
+    (test_honest_runs, test_no_silent_fallbacks)."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, str(ROOT / "shard.py"), "--help"], cwd=ROOT,
+                          env=dict(os.environ, WANDB_MODE="offline"), capture_output=True, text=True, timeout=120,
+                          check=True).stdout
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked slow (real processes, kernel timings) run first, so no long one is left to
     end the run on one core while the other waits. With `make test`'s `--dist worksteal` the

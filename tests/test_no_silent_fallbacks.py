@@ -170,9 +170,8 @@ def test_collect_refuses_an_optimizer_it_cannot_time_before_measuring(over, mess
 
 # ----------------------------------------------------------------------------- --help
 @pytest.mark.slow
-def test_shard_help_names_every_option_of_its_groups():
-    text = subprocess.run([sys.executable, str(ROOT / "shard.py"), "--help"], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=120, check=True).stdout
+def test_shard_help_names_every_option_of_its_groups(shard_help):
+    text = shard_help
     for group in ("cost_model", "hardware", "measure"):
         (line,) = [l for l in text.splitlines() if l.strip().startswith(f"{group}=")]
         listed = set(line.split()[0].split("=", 1)[1].split("|"))
