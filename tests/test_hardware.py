@@ -296,14 +296,16 @@ def test_kept_comm_ranks_exit_when_their_parent_is_killed(tmp_path):
 
 @pytest.mark.slow
 def test_all_to_all_between_two_processes_includes_waiting_for_the_slow_rank():
+    # the protocol of test_measure_many_with_comm_includes_compute_imbalance: in one pytest process
+    # the second of the two finds these ranks kept up (embshard.hardware.comm.KeptRanks), not spawned again
     delayed, plain, wide = measure_comm(
         [([64, 64], [0.0, 50.0]), ([64, 64], [0.0, 0.0]), ([512, 64], [0.0, 0.0])],
-        batch_size=2048, protocol=proto(1, 5),
+        batch_size=2048, protocol=proto(1, 4),
     )
     for r in (delayed, plain, wide):
         assert len(r.forward_ms) == len(r.backward_ms) == 2
         assert finite_positive(r.forward_ms) and finite_positive(r.backward_ms)
-        assert len(r.forward_spread_ms) == 2 and len(r.forward_samples_ms[0]) == 5
+        assert len(r.forward_spread_ms) == 2 and len(r.forward_samples_ms[0]) == 4
     # rank 1 waits 50 ms before entering: rank 0, already in the all-to-all, waits for it
     assert delayed.forward_ms[0] >= 40.0, delayed.forward_ms
     # the delayed rank itself does not wait, and with no delay nobody waits that long
@@ -322,7 +324,7 @@ def test_comm_worker_errors_propagate_instead_of_hanging():
 def test_measure_many_with_comm_includes_compute_imbalance():
     task = make_task(n_tables=13, rows=20000, dim=32, pooling=20.0, batch=1024)
     lopsided, balanced = all_on(task, 0, "lopsided"), round_robin(task, "balanced")
-    ev = HardwareEvaluator(backend="torch", comm_backend="gloo", protocol=proto(1, 4))
+    ev = HardwareEvaluator(backend="torch", comm_backend="gloo", protocol=proto(1, 4))  # see the all-to-all test
     out = ev.measure_many(task, [lopsided, balanced])
     assert len(out) == 2
     for c in out:
