@@ -140,11 +140,6 @@ def test_auto_rate_keeps_the_tasks_ratio():
     assert C.auto_rate_mbit(6000.0, 600.0, 12.5, 2) == pytest.approx(6000.0 / 48 * 2)
 
 
-def _train(tmp_path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=600, env={**os.environ, "WANDB_MODE": "offline", **(env or {})})
-
-
 def test_emulated_cluster_refuses_a_task_of_other_than_two_hosts(tmp_path, monkeypatch, refused_in_process):
     monkeypatch.delenv("RANK", raising=False)
     code, err = refused_in_process("stage=sequence_throughput", "experiment=flexshard_tiny", "cluster=emulated",
@@ -215,16 +210,24 @@ def test_launch_on_loopback_runs_one_torchrun_per_host(tmp_path):
 @pytest.mark.slow
 @needs_netns
 @pytest.mark.parametrize("per_host", [1, pytest.param(2, marks=pytest.mark.e2e)])
-def test_sequence_throughput_runs_on_the_emulated_cluster(tmp_path, per_host):
+def test_sequence_throughput_runs_on_the_emulated_cluster(tmp_path, per_host, monkeypatch):
     """The tiny sequence DLRM on 2 emulated hosts x `per_host` processes: runs, records the
     network, bytes sent equal the model's, and leaves no namespace behind. (2 x 2, the
-    experiment's own layout, is in `make test-e2e`: 4 processes importing TorchRec on 2 cores.)"""
+    experiment's own layout, is in `make test-e2e`: 4 processes importing TorchRec on 2 cores.)
+    The launching `python train.py` runs in this process (tests/_entry.py, with its command line
+    as sys.argv: the hosts' torchruns run that same command); each host's ranks are train.py's
+    own processes."""
+    from _entry import run_entry
+
     before = _listed()
-    done = _train(tmp_path, "stage=sequence_throughput", "experiment=flexshard_tiny", "cluster=emulated",
-                  f"sequence.task.devices_per_host={per_host}",
-                  "cluster.rate_mbit=400", "cluster.probe_megabytes=10", "sequence.replay_repetitions=1",
-                  "sequence.plans=[flexshard,row_wise]",  # two of the five: the path, not the comparison
-                  f"sequence.trace.path={tmp_path / 'trace.pt'}", f"out_dir={tmp_path / 'out'}", "progress=false")
+    overrides = ["stage=sequence_throughput", "experiment=flexshard_tiny", "cluster=emulated",
+                 f"sequence.task.devices_per_host={per_host}",
+                 "cluster.rate_mbit=400", "cluster.probe_megabytes=10", "sequence.replay_repetitions=1",
+                 "sequence.plans=[flexshard,row_wise]",  # two of the five: the path, not the comparison
+                 f"sequence.trace.path={tmp_path / 'trace.pt'}", f"out_dir={tmp_path / 'out'}", "progress=false"]
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *overrides])
+    monkeypatch.delenv("RANK", raising=False)
+    done = run_entry("train", *overrides, cwd=tmp_path, env={"WANDB_MODE": "offline"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     result = json.loads((tmp_path / "out" / "throughput.json").read_text())
     net = result["network"]
