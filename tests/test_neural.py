@@ -84,7 +84,9 @@ def write_data(path: Path, n_compute=600, n_comm=300, devices=(2, 3, 4, 5, 6, 8)
     return pool
 
 
-FAST = {"max_epochs": 60, "batch_size": 32, "lr": 3e-3, "patience": 25, "progress": False, "wandb": False,
+# 30 epochs: the trained fixture's test-set Kendall tau is 0.98 (compute) and 0.98-0.99 (comm) at 30
+# as at 60, against the tests' 0.8 and 0.75
+FAST = {"max_epochs": 30, "batch_size": 32, "lr": 3e-3, "patience": 25, "progress": False, "wandb": False,
         "val_fraction": 0.1, "test_fraction": 0.15, "holdout_num_devices": 6, "val_by": "tables",
         "compute": {"hidden": 32, "hidden2": 16, "context_hidden": 8},
         "comm": {"hidden": 32, "embed": 16}}
