@@ -160,10 +160,12 @@ def test_every_config_composes_and_instantiates():
 def test_measured_run_on_real_kernels_with_chart_guard_and_headroom(tmp_path):
     task = small_task(tmp_path / "task.json", tables=6)
     out = tmp_path / "out"
+    # verify_visits = rounds: the guard's measurements and the final one time under one protocol, so
+    # one group of kept comm ranks serves both (embshard.hardware.comm.KeptRanks), not two spawns
     proc = run_shard_here(f"task_file={tmp_path / 'task.json'}", "algorithms=[size_greedy,lookup_greedy,neuroshard]",
                      "evaluate=measured", "rounds=2", "measure=quick", "measure.repetitions=3",
                      "searchers.neuroshard.verify=2", "searchers.neuroshard.verify_heuristics=[size_greedy]",
-                     "searchers.neuroshard.verify_visits=1", "searchers.neuroshard.verify_budget_s=20",
+                     "searchers.neuroshard.verify_visits=2", "searchers.neuroshard.verify_budget_s=20",
                      "searchers.neuroshard.verify_min_rounds=2", "searchers.neuroshard.verify_max_rounds=2",
                      f"out_dir={out}")
     assert proc.returncode == 0, proc.stderr
