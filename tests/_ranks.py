@@ -6,7 +6,8 @@ modules the workers use once, before any of them ran, instead of a fresh interpr
 imports them again: about 5 s of CPU a rank on the 2-core machine of docs/development.md.
 The server only imports (no thread pool, no process group has started in it), so a rank
 starts as a fresh one would after its imports. One server per pytest process, started by the
-first call and stopped when that process exits."""
+first call and stopped when that process exits. test_measurement's pinning and allocator
+checks start their worker functions from the same server (`context()`)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ PRELOAD = [
 ]
 
 
-def _context():
+def context():
+    """The multiprocessing context whose processes are forked from the warm server (for a test's
+    own targets: a fresh process without a fresh interpreter's imports)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
@@ -63,7 +66,7 @@ def run_ranks(script: Path, argvs: Sequence[Sequence[str]], log_dir: Path, env: 
     exits 1 with its traceback in its output, as the script's own process would."""
     import time
 
-    ctx = _context()
+    ctx = context()
     env = dict(os.environ if env is None else env)
     procs, logs = [], []
     for i, argv in enumerate(argvs):

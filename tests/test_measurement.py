@@ -3,7 +3,6 @@ rescaling it drives, the bootstrap of paired ratios, and the guard's decision ru
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import numpy as np
@@ -58,10 +57,13 @@ def test_measuring_process_pins_fixes_threads_and_restores():
 
 @pytest.mark.slow
 def test_spawned_workers_pin_round_robin_over_the_callers_cores():
+    """Each worker a process of its own, forked from the warm server of tests/_ranks.py (no
+    interpreter start and torch import per worker), pinned by the protocol as a spawned one is."""
+    from _ranks import context
     from _spawned import report_affinity
 
     cores = allowed_cores()
-    ctx = mp.get_context("spawn")
+    ctx = context()
     q = ctx.Queue()
     procs = [ctx.Process(target=report_affinity, args=(i, cores, q)) for i in range(3)]
     for p in procs:
@@ -74,11 +76,13 @@ def test_spawned_workers_pin_round_robin_over_the_callers_cores():
 
 @pytest.mark.slow
 def test_caching_allocator_removes_page_faults_from_the_timed_step():
-    """Checked in a fresh spawned process (`_spawned.report_page_faults`): this one may already
-    have measured with the caching allocator, which leaves its heap holding the freed blocks."""
+    """Checked in a fresh process (`_spawned.report_page_faults`): this one may already have
+    measured with the caching allocator, which leaves its heap holding the freed blocks. The
+    process is forked from the warm server of tests/_ranks.py, which only imported modules."""
+    from _ranks import context
     from _spawned import report_page_faults
 
-    ctx = mp.get_context("spawn")
+    ctx = context()
     q = ctx.Queue()
     proc = ctx.Process(target=report_page_faults, args=(q,))
     proc.start()
