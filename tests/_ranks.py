@@ -4,7 +4,7 @@ script as `__main__` with its own argv, environment, output and gloo process gro
 forked from a server (multiprocessing's forkserver) that imported torch, TorchRec and the
 modules the workers use once, before any of them ran, instead of a fresh interpreter that
 imports them again: about 5 s of CPU a rank on the 2-core machine of docs/development.md.
-The server only imports (no thread pool, no process group has started in it), so a rank
+The server only imports (no intra-op thread pool or process group has started in it), so a rank
 starts as a fresh one would after its imports. One server per pytest process, started by the
 first call and stopped when that process exits. test_measurement's pinning and allocator
 checks start their worker functions from the same server (`context()`)."""
