@@ -28,11 +28,21 @@ PRELOAD = [
 ]
 
 
+_STOP_REGISTERED = False
+
+
 def context():
     """The multiprocessing context whose processes are forked from the warm server (for a test's
     own targets: a fresh process without a fresh interpreter's imports)."""
+    global _STOP_REGISTERED
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    if not _STOP_REGISTERED:  # stop the server and wait for it when this process exits (no stray process left)
+        import atexit
+        from multiprocessing import forkserver
+
+        atexit.register(getattr(forkserver._forkserver, "_stop", lambda: None))
+        _STOP_REGISTERED = True
     return ctx
 
 
