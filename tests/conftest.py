@@ -15,7 +15,8 @@ def refused_in_process(capsys):
     come before any work (a subprocess would only add its imports of torch): call it with the
     overrides (`entry="shard"` for shard.py; train.py by default); it returns the exit status and
     the non-empty stderr lines. Each entry point's own process is still checked by
-    tests/test_no_silent_fallbacks.py and the subprocess runs of test_shard_cli and test_train_cli."""
+    tests/test_no_silent_fallbacks.py, the subprocess runs of test_shard_cli and test_stages, and
+    train.py's torchrun runs in test_dlrm."""
     def run(*overrides: str, entry: str = "train") -> tuple[int, list[str]]:
         import importlib
 
