@@ -10,27 +10,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def refused_in_process(capsys):
+def refused_in_process():
     """An entry point's run under its one-line error handler, in this process, for refusals that
     come before any work (a subprocess would only add its imports of torch): call it with the
     overrides (`entry="shard"` for shard.py; train.py by default); it returns the exit status and
-    the non-empty stderr lines. Each entry point's own process is still checked by
+    the non-empty stderr lines (`tests/_entry.py`'s run, which puts back cwd, environment and
+    threads). Each entry point's own process is still checked by
     tests/test_no_silent_fallbacks.py, the subprocess runs of test_shard_cli and test_stages, and
     train.py's torchrun runs in test_dlrm."""
     def run(*overrides: str, entry: str = "train") -> tuple[int, list[str]]:
-        import importlib
+        from _entry import run_entry
 
-        from hydra import compose, initialize_config_dir
-
-        from embshard.cli import one_line_errors
-
-        module = importlib.import_module(entry)
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose(config_name=entry, overrides=list(overrides))
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as done:
-            one_line_errors(module.run, cfg)
-        return done.value.code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        done = run_entry(entry, *overrides)
+        return done.returncode, [line for line in done.stderr.splitlines() if line.strip()]
 
     return run
 

@@ -8,22 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from embshard import Table, Task, validate
+from embshard import validate
 from embshard.search.rl.env import best_plan, rollout
 from embshard.search.rl.nets import AutoShardNet, DreamShardCostNet, DreamShardPolicy, TaskContext, cost_features
 from embshard.search.rl.numpy_episode import NumpyAutoShard, NumpyDreamShard, autoshard_supported
 from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
+from test_scale import make_task  # tasks of n random tables on d devices
 
 SHARDERS = {"dreamshard": DreamShardSharder, "autoshard": AutoShardSharder}
-
-
-def make_task(n: int, d: int, seed: int = 0, batch: int = 4096, slack: float = 1.5) -> Task:
-    rng = np.random.default_rng(seed)
-    tables = tuple(Table(f"t{i}", int(rng.integers(1_000, 200_000)), 4 * int(rng.integers(1, 17)),
-                         float(rng.uniform(1, 40))) for i in range(n))
-    probe = Task("s", d, 1, batch, tables)
-    need = [probe.table_memory_bytes(t) for t in tables]
-    return Task(f"np-{n}x{d}", d, int(max(slack * sum(need) / d, 1.05 * max(need))), batch, tables)
 
 
 def random_nets(seed: int) -> tuple[DreamShardCostNet, DreamShardPolicy]:
@@ -94,14 +86,6 @@ def test_the_split_policy_logits_equal_the_scorer_on_the_concatenated_inputs():
         parts = [dev, policy.cost_encoder(costs), tab[:, None].expand_as(dev), policy.cost_encoder(whatif)]
         want = (policy.scorer(torch.cat(parts, -1)) + policy.skip(torch.cat([costs, whatif], -1))).squeeze(-1)
         torch.testing.assert_close(policy.logits(dev, costs, tab, whatif), want, rtol=1e-5, atol=1e-5)
-
-
-def groups(devices: torch.Tensor) -> list[tuple[int, ...]]:
-    """Tables (placement order) by device, the devices' labels left out."""
-    by: dict[int, list[int]] = {}
-    for t, dev in enumerate(devices.tolist()):
-        by.setdefault(dev, []).append(t)
-    return sorted(tuple(v) for v in by.values())
 
 
 @pytest.mark.parametrize("seed", [0, 1])
