@@ -16,10 +16,11 @@ from embshard.costs.analytic import AnalyticCostModel
 from embshard.costs.neural import NeuralCostModels
 from embshard.costs.neural.models import FAR_FACTOR
 from embshard.costs.predictor import AnalyticPredictor
+from embshard.packing import LookAhead
 from embshard.plan import MemoryLedger, Plan, Shard
 from embshard.search.greedy import GreedyPartitioner, cheapest
 from embshard.search.neuroshard import NeuroShardSharder
-from embshard.search.pieces import PieceBook
+from embshard.search.pieces import PieceBook, initial_state
 from embshard.search.rl.env import best_plan
 from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
 from embshard.search.simulator import Simulator
@@ -156,6 +157,70 @@ def test_caps_are_thinned_evenly_only_over_the_work_budget():
     assert part.thinned(caps, 50) == (1.0, 1.15, 1.35, 1.5)
     part.grid_max_work = 1
     assert part.thinned(caps, 50) == (1.0, 1.5)
+
+
+@pytest.mark.parametrize("incremental, devices, slack", [(True, 48, 1.5), (True, 40, 1.02), (False, 12, 1.3)],
+                         ids=["pooled", "pooled-tight", "keyed"])
+def test_runs_under_larger_caps_picked_up_from_a_fork_are_the_runs_from_scratch(incremental, devices, slack):
+    """A run under a larger cap picks up where its candidate devices first differ from a smaller
+    cap's run: every run (devices, compute, widths) is the one from scratch, and steps were saved."""
+    task = make_task(240, devices, seed=4, slack=slack)
+    sim = Simulator(AnalyticPredictor(batch_size=task.batch_size))
+    caps = tuple(round(1.0 + 0.05 * i, 2) for i in range(11))
+    book = PieceBook(task, sim)
+    part = GreedyPartitioner(task, sim, book, caps, incremental=incremental, max_candidates=6, grid_max_work=None)
+    book.encode = part.incremental
+    assert part.incremental == incremental
+    pieces = book.pieces_of(initial_state(task))
+    ordered = sorted(pieces, key=lambda p: (-p.single_ms, -p.need, p.spec))
+    width = sum(p.dim for p in pieces)
+    forked, _ = part._cap_runs([], ordered, caps, width)
+    saved = part.steps_forked
+    fresh, _ = part._cap_runs([], ordered, caps, width, forked=False)
+    assert part.steps_forked == saved > 0
+    assert len(forked) == len(fresh) > 2
+    for a, b in zip(forked, fresh):
+        assert a[0] == b[0] and a[1] == b[1]
+        np.testing.assert_array_equal(a[2], b[2])
+        np.testing.assert_array_equal(a[3], b[3])
+
+
+@pytest.mark.parametrize("fit", ["first", "worst"])
+def test_look_ahead_on_many_devices_packs_as_plain_decreasing_fit(fit):
+    """Over 32 devices the proof packs first fit by runs of pieces and worst fit through a heap:
+    the same assignment, slack and verdict as placing one piece at a time."""
+    rng = np.random.default_rng(5)
+    seen = set()
+    for trial in range(120):
+        d = int(rng.integers(33, 130))
+        cap = int(rng.integers(10, 10**6))
+        big = rng.integers(cap // 3, cap + 1, size=int(rng.integers(0, d)))
+        small = (cap * rng.pareto(1.5, size=int(rng.integers(0, 400))) / 200).astype(np.int64)
+        needs = np.minimum(np.concatenate([big, small, small[: len(small) // 4]]), cap)  # some equal
+        free = rng.integers(0, cap + 1, size=d) if trial % 2 else np.full(d, cap)
+        ahead = LookAhead(free, needs.tolist(), fit="first")
+        ahead.pending[:] = rng.random(len(needs)) < 0.8
+        got = ahead._pack(free, fit)
+        f = free.astype(np.int64).copy()
+        want = {}
+        for k in np.argsort(-needs, kind="stable"):
+            if not ahead.pending[k]:
+                continue
+            j = int(np.argmax(f)) if fit == "worst" else int(np.argmax(f >= needs[k]))
+            if f[j] < needs[k]:
+                want = None
+                break
+            f[j] -= needs[k]
+            want[int(k)] = j
+        seen.add(want is None)
+        if want is None:
+            assert got is None
+            continue
+        assert got is not None
+        assign, slack = got
+        assert {k: int(assign[k]) for k in want} == want
+        np.testing.assert_array_equal(slack, f)
+    assert seen == {True, False}  # both verdicts were checked
 
 
 def test_ledger_lookahead_keeps_the_rest_packable_and_rescues_a_stranded_table():

@@ -18,6 +18,7 @@ Two callers, two rules:
 
 from __future__ import annotations
 
+import copy
 import heapq
 from typing import Callable, Sequence
 
@@ -77,30 +78,65 @@ class LookAhead:
                 else:
                     return None
             return assign, np.array(fl, dtype=np.int64)
-        if worst:  # a heap of (-room, device): the device with the most room (lowest index among equals)
-            heap = [(-int(x), j) for j, x in enumerate(free)]
+        if worst:  # a heap of the devices by most room, lowest index among equals: one int per
+            # device, -room << shift | device (ints compare faster than tuples)
+            shift = max(1, len(free) - 1).bit_length()
+            mask = (1 << shift) - 1
+            heap = [(-int(x) << shift) | j for j, x in enumerate(free)]
             heapq.heapify(heap)
             needs = self._needs_list
+            to: list[int] = []
             for k in todo:
-                room, j = heap[0]
-                if -room < needs[k]:
+                key = heap[0]
+                need = needs[k]
+                if -(key >> shift) < need:
                     return None
-                heapq.heapreplace(heap, (room + needs[k], j))
-                assign[k] = j
+                heapq.heapreplace(heap, key + (need << shift))
+                to.append(key & mask)
+            assign[todo] = to
             f = np.zeros(len(free), dtype=np.int64)
-            for room, j in heap:
-                f[j] = -room
+            for key in heap:
+                f[key & mask] = -(key >> shift)
             return assign, f
+        return self._first_fit(free, todo, assign)
+
+    def _first_fit(self, free: np.ndarray, todo: list[int], assign: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """First-fit decreasing on many devices, a run of pieces at a time: after a piece
+        goes to device j (the first with room for it), the next pieces go to j too for as
+        long as each fits in what j has left and is bigger than the most room any device
+        before j has (none of those fits it): one cumulative sum places the whole run, the
+        same assignment as one piece at a time. A thousand devices with many small pieces
+        (most go to the first device with room) make the runs long."""
         f = np.asarray(free, dtype=np.int64).copy()
-        needs = self._needs_list
-        for k in todo:  # the ndarray method and a Python int: no np.argmax wrapper per piece
+        needs = self.needs[todo]  # decreasing
+        neg = -needs  # increasing, for searchsorted
+        to = np.empty(len(todo), dtype=np.int64)
+        n = len(todo)
+        k = 0
+        window = 64
+        while k < n:
             need = needs[k]
             j = int((f >= need).argmax())
-            if f[j] < need:
+            room = int(f[j])
+            if room < need:
                 return None
-            f[j] -= need
-            assign[k] = j
+            below = int(f[:j].max()) if j else -1  # every device before j has less room than `need`
+            end = min(n, k + window)
+            total = np.cumsum(needs[k:end])
+            run = min(int(np.searchsorted(total, room, side="right")),  # fit in j one after another
+                      int(np.searchsorted(neg[k:end], -below, side="left")))  # bigger than `below`
+            to[k:k + run] = j
+            f[j] = room - int(total[run - 1])
+            window = min(4 * window, 4096) if run == end - k else 64  # a long run: look further next time
+            k += run
+        assign[todo] = to
         return assign, f
+
+    def copy(self) -> LookAhead:
+        """An independent copy of the proof (the pieces' sizes shared: they never change)."""
+        new = copy.copy(self)
+        new.pending, new.assign, new.slack = self.pending.copy(), self.assign.copy(), self.slack.copy()
+        return new
 
     def _repack(self, free: np.ndarray) -> bool:
         """Pack the pending pieces into `free` by the proof's fit; adopt it when it fits."""

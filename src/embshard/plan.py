@@ -17,6 +17,7 @@ older plan JSON, which stays valid and round-trips unchanged:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import io
@@ -478,6 +479,14 @@ class MemoryLedger:
         self._by_size: dict[int, list[int]] = {}
         for i, n in enumerate(needs):
             self._by_size.setdefault(n, []).append(i)
+
+    def copy(self) -> MemoryLedger:
+        """An independent copy of the ledger (the task shared)."""
+        new = copy.copy(self)
+        new.free = list(self.free)
+        new._ahead = None if self._ahead is None else self._ahead.copy()
+        new._by_size = {n: list(ids) for n, ids in self._by_size.items()}
+        return new
 
     def need(self, table: Table, rows: int | None = None, dim: int | None = None) -> int:
         return self.task.shard_memory_bytes(table, table.rows if rows is None else rows, table.dim if dim is None else dim)

@@ -12,6 +12,7 @@ Two strategies behind one small protocol (`DeviceAccumulator`):
 
 from __future__ import annotations
 
+import copy
 from typing import Protocol
 
 import numpy as np
@@ -34,6 +35,10 @@ class DeviceAccumulator(Protocol):
 
     def add(self, dev: int, p: Piece, j: int) -> None:
         """`dev` takes `p`; `j` is its index in the last `costs` call's candidates (-1: none)."""
+        ...
+
+    def copy(self) -> "DeviceAccumulator":
+        """An independent copy of the devices' state (the predictor and its cache shared)."""
         ...
 
 
@@ -65,6 +70,12 @@ class KeyedDevices:
         else:
             self.keys[dev] = self.sim.key_with(self.keys[dev], p.pid)
             self.cost[dev] = self.sim.shard_costs([self.keys[dev]], lambda _: self.shards[dev])[0]
+
+    def copy(self) -> KeyedDevices:
+        new = copy.copy(self)
+        new.keys, new.shards, new.cost = list(self.keys), [list(s) for s in self.shards], self.cost.copy()
+        new._ckeys, new._c = list(self._ckeys), self._c.copy()
+        return new
 
 
 class PooledDevices:
@@ -104,3 +115,9 @@ class PooledDevices:
         self.sum[dev] += p.enc
         if self.with_max:
             np.maximum(self.max[dev], p.enc, out=self.max[dev])
+
+    def copy(self) -> PooledDevices:
+        new = copy.copy(self)
+        new.sum, new.cost, new._c = self.sum.copy(), self.cost.copy(), self._c.copy()
+        new.max = None if self.max is None else self.max.copy()
+        return new

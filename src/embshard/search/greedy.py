@@ -60,6 +60,21 @@ class GreedyResult:
 
 
 @dataclass
+class _Fork:
+    """A greedy run's state before one of its steps, where a run under a larger cap that
+    placed the same up to there picks up (`GreedyPartitioner._place`)."""
+
+    step: int
+    ledger: MemoryLedger
+    free: np.ndarray
+    widths: np.ndarray
+    devs: DeviceAccumulator
+    ahead: LookAhead
+    holds: dict[str, np.ndarray]
+    placed: list[int]
+
+
+@dataclass
 class Candidate:
     """One distinct plan the partitioner found, with its predicted cost."""
 
@@ -119,6 +134,8 @@ class GreedyPartitioner:
         #: the caps the last grid ran (fewer than asked on a task over grid_max_work)
         self.last_caps: tuple[float, ...] = self.caps
         self.runs = 0
+        #: greedy steps not repeated: runs under larger caps that picked up from a fork
+        self.steps_forked = 0
         self._scores: dict[tuple, GreedyResult | InfeasibleError] = {}
         self._top: list[tuple[float, tuple, Candidate]] = []  # (cost, signature, candidate), sorted
         if incremental == "auto":  # few devices: the shard cache hits more than running sums save
@@ -162,18 +179,7 @@ class GreedyPartitioner:
         order = sorted(free, key=lambda i: (-pieces[i].single_ms, -pieces[i].need, pieces[i].spec))
         ordered = [pieces[i] for i in order]
         total_width = sum(p.dim for p in pieces)
-        d = self.task.num_devices
-        runs: list[tuple[float, list[int], np.ndarray, np.ndarray]] = []
-        first_error: InfeasibleError | None = None
-        for cap in caps:
-            try:
-                devices, compute, widths, bound = self._place([pieces[i] for i in fixed], ordered, cap * total_width / d)
-            except InfeasibleError as e:
-                first_error = first_error or e
-                continue
-            runs.append((cap, devices, compute, widths))
-            if not bound:  # the cap never changed a decision: every larger cap places the same
-                break
+        runs, first_error = self._cap_runs([pieces[i] for i in fixed], ordered, caps, total_width)
         if not runs:
             assert first_error is not None
             raise first_error
@@ -194,6 +200,31 @@ class GreedyPartitioner:
         costs = DeviceCosts(compute_ms=compute[best].tolist(), forward_comm_ms=fw[best].tolist(),
                             backward_comm_ms=bw[best].tolist())
         return GreedyResult(float(totals[best]), per_run[best], pieces, costs, runs[best][0])
+
+    def _cap_runs(self, fixed: list[Piece], ordered: list[Piece], caps: tuple[float, ...], total_width: int,
+                  forked: bool = True) -> tuple[list[tuple[float, list[int], np.ndarray, np.ndarray]], InfeasibleError | None]:
+        """The greedy runs under `caps` (ascending), smallest first, until one the cap never
+        bound: ([(cap, device per piece of `ordered`, compute per device, width per device)],
+        the first InfeasibleError). `forked`: a run picks up where the smaller caps' runs left
+        it a fork (`_place`); False: every run from scratch (the same runs, slower)."""
+        d = self.task.num_devices
+        runs: list[tuple[float, list[int], np.ndarray, np.ndarray]] = []
+        first_error: InfeasibleError | None = None
+        limits = [cap * total_width / d for cap in caps]
+        forks: list[_Fork | None] = [None] * len(caps)
+        binds: list[int | None] = [None] * len(caps)
+        for j, cap in enumerate(caps):
+            if not forked:
+                forks, binds = [None] * len(caps), [None] * len(caps)
+            try:
+                devices, compute, widths, bound = self._place(fixed, ordered, limits, j, forks, binds)
+            except InfeasibleError as e:
+                first_error = first_error or e
+                continue
+            runs.append((cap, devices, compute, widths))
+            if not bound:  # the cap never changed a decision: every larger cap places the same
+                break
+        return runs, first_error
 
     def _consider(self, cost: float, state, pieces: list[Piece], devices: list[int], cap: float) -> None:
         """Keep the `top_k` cheapest distinct plans (distinct after merging a table's pieces
@@ -219,65 +250,118 @@ class GreedyPartitioner:
         d = self.task.num_devices
         return PooledDevices(self.sim, d, self._enc_dim) if self.incremental else KeyedDevices(self.sim, d)
 
-    def _place(self, fixed: list[Piece], ordered: list[Piece],
-               cap_width: float) -> tuple[list[int], np.ndarray, np.ndarray, bool]:
-        """One greedy run under a width cap: (device per piece of `ordered`, compute per
-        device, width per device, whether the cap ever excluded a device with room)."""
+    def _place(self, fixed: list[Piece], ordered: list[Piece], limits: list[float], j: int,
+               forks: list[_Fork | None], binds: list[int | None]) -> tuple[list[int], np.ndarray, np.ndarray, bool]:
+        """One greedy run under width cap `limits[j]` (caps ascending): (device per piece of
+        `ordered`, compute per device, width per device, whether the cap ever excluded a device
+        with room).
+
+        A run under a larger cap re-predicts the same candidates, and so places the same, up to
+        the first step where its own candidates differ (its cap lets in a device that would be
+        among them): this run notes that step for every larger cap it still agrees with and
+        leaves that cap a copy of its state there (`forks[k]`, the step where the larger cap's
+        run picks up), and the first step where the larger cap would exclude a device with
+        room (`binds[k]`). Run k's plan is the one a run from scratch gives; only the steps
+        before its fork are not repeated."""
         task = self.task
         d = task.num_devices
-        ledger = MemoryLedger(task)
-        free = np.full(d, task.device_memory_bytes, dtype=np.int64)
-        widths = np.zeros(d, dtype=np.int64)
-        devs = self._accumulator()
-        for p in fixed:  # row blocks: their device is part of the state
-            if free[p.fixed] < p.need:
-                raise ledger.nowhere(p.table, p.need)
-            ledger.take(p.fixed, p.need)
-            free[p.fixed] -= p.need
-            widths[p.fixed] += p.dim
-            devs.add(p.fixed, p, -1)
-        ahead = LookAhead(free, [p.need for p in ordered], fit="worst")
-        split = {n for n, k in Counter(p.table.name for p in ordered).items() if k > 1}
-        holds: dict[str, np.ndarray] = {n: np.zeros(d, dtype=bool) for n in split}
-        placed: list[int] = []
-        bound = False
-        for i, p in enumerate(ordered):
-            room = free >= p.need
-            if not room.any():
-                raise ledger.nowhere(p.table, p.need)
-            held = holds.get(p.table.name)
-            if held is not None and (room & ~held).any():  # never two pieces of a table on a device when avoidable
-                room &= ~held
-            ok = room & (widths + p.dim <= cap_width)
-            capped = bool(ok.any())
-            if capped:
-                bound = bound or bool((ok != room).any())
-                cand = ok.nonzero()[0]
-            else:
-                bound = True
-                cand = room.nonzero()[0]
-            if self.max_candidates is not None and len(cand) > self.max_candidates:
-                cand = cheapest(cand, devs.cost, free, self.max_candidates)
-            c = devs.costs(cand, p)
-            preference = cand[np.lexsort((cand, -free[cand], c))].tolist()
+        start = forks[j]
+        if start is None:
+            ledger = MemoryLedger(task)
+            free = np.full(d, task.device_memory_bytes, dtype=np.int64)
+            widths = np.zeros(d, dtype=np.int64)
+            devs = self._accumulator()
+            for p in fixed:  # row blocks: their device is part of the state
+                if free[p.fixed] < p.need:
+                    raise ledger.nowhere(p.table, p.need)
+                ledger.take(p.fixed, p.need)
+                free[p.fixed] -= p.need
+                widths[p.fixed] += p.dim
+                devs.add(p.fixed, p, -1)
+            ahead = LookAhead(free, [p.need for p in ordered], fit="worst")
+            split = {n for n, k in Counter(p.table.name for p in ordered).items() if k > 1}
+            holds: dict[str, np.ndarray] = {n: np.zeros(d, dtype=bool) for n in split}
+            placed: list[int] = []
+            first = 0
+        else:
+            forks[j] = None
+            ledger, free, widths, devs, ahead, holds, placed, first = (
+                start.ledger, start.free, start.widths, start.devs, start.ahead, start.holds, start.placed, start.step)
+            self.steps_forked += first
+        bound = binds[j] is not None and binds[j] < first
+        # the larger caps that agree with this run up to `first` (a fork before it stands: this
+        # run agrees with the one that left it up to `first`)
+        track = [k for k in range(j + 1, len(limits)) if forks[k] is None or forks[k].step >= first]
+        for k in track:
+            forks[k] = None
+            if binds[k] is not None and binds[k] >= first:
+                binds[k] = None
 
-            def more(room=room, cand=cand) -> list[int]:
-                # not re-predicted (over the width cap, or beyond max_candidates), but usable
-                # when the look-ahead needs them: most free memory first
-                others = room.copy()
-                others[cand] = False
-                rest = others.nonzero()[0]
-                return rest[np.argsort(-free[rest], kind="stable")].tolist()
+        def fork(step: int) -> _Fork:
+            return _Fork(step, ledger.copy(), free.copy(), widths.copy(), devs.copy(), ahead.copy(),
+                         {n: h.copy() for n, h in holds.items()}, list(placed))
 
-            dev = ahead.choose(i, free, preference, more)
-            ledger.take(dev, p.need)
-            free[dev] -= p.need
-            widths[dev] += p.dim
-            if held is not None:
-                held[dev] = True
-            hit = (cand == dev).nonzero()[0]
-            devs.add(dev, p, int(hit[0]) if hit.size else -1)
-            placed.append(dev)
+        cap_width = limits[j]
+        m = self.max_candidates
+        try:
+            for i in range(first, len(ordered)):
+                p = ordered[i]
+                room = free >= p.need
+                if not room.any():
+                    raise ledger.nowhere(p.table, p.need)
+                held = holds.get(p.table.name)
+                if held is not None and (room & ~held).any():  # never two pieces of a table on a device when avoidable
+                    room &= ~held
+                wide = widths + p.dim
+                ok = room & (wide <= cap_width)
+                capped = bool(ok.any())
+                if capped:
+                    bound = bound or bool((ok != room).any())
+                    cand = ok.nonzero()[0]
+                else:
+                    bound = True
+                    cand = room.nonzero()[0]
+                if m is not None and len(cand) > m:
+                    cand = cheapest(cand, devs.cost, free, m)
+                for k in list(track):  # does a larger cap still re-predict the same candidates?
+                    okk = room & (wide <= limits[k])
+                    any_k = bool(okk.any())
+                    if binds[k] is None and (not any_k or bool((okk != room).any())):
+                        binds[k] = i
+                    if (capped and not (okk != ok).any()) or not any_k:  # the same devices allowed
+                        continue
+                    cand_k = okk.nonzero()[0]
+                    if m is not None and len(cand_k) > m:
+                        cand_k = cheapest(cand_k, devs.cost, free, m)
+                    if not np.array_equal(cand_k, cand):
+                        forks[k] = fork(i)
+                        track.remove(k)
+                c = devs.costs(cand, p)
+                preference = cand[np.lexsort((cand, -free[cand], c))].tolist()
+
+                def more(room=room, cand=cand) -> list[int]:
+                    # not re-predicted (over the width cap, or beyond max_candidates), but usable
+                    # when the look-ahead needs them: most free memory first
+                    others = room.copy()
+                    others[cand] = False
+                    rest = others.nonzero()[0]
+                    return rest[np.argsort(-free[rest], kind="stable")].tolist()
+
+                dev = ahead.choose(i, free, preference, more)
+                ledger.take(dev, p.need)
+                free[dev] -= p.need
+                widths[dev] += p.dim
+                if held is not None:
+                    held[dev] = True
+                hit = (cand == dev).nonzero()[0]
+                devs.add(dev, p, int(hit[0]) if hit.size else -1)
+                placed.append(dev)
+        except InfeasibleError:
+            for k in track:  # they would stop at the same step: let them find out from scratch
+                forks[k] = binds[k] = None
+            raise
+        for k in track:  # placed the same throughout: its run picks up at the end
+            forks[k] = fork(len(ordered))
         return placed, devs.cost, widths, bound
 
     def plans(self, name: str) -> list[tuple[Plan, float]]:

@@ -464,6 +464,7 @@ class NeuroShardSharder(GuardSlot):
         self.last_stats = {
             "greedy_runs": search.greedy_runs,
             "caps_run": len(search.partitioner.last_caps),
+            "steps_forked": search.partitioner.steps_forked,
             "incremental": search.incremental,
             "beam": search.beam_ran,
             "pieces": len(plan.shards),
