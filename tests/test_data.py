@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from embshard.data import dlrm_datasets
 from embshard.data import synthetic as syn
 from embshard.data.dlrm_datasets import (
     DlrmDataset,
@@ -154,6 +155,23 @@ def test_wrong_shapes_are_one_line_input_errors(tmp_path, case, match):
     with pytest.raises(InputError, match=match) as e:
         DlrmDataset.open(path)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("bags", [3, 7, 1 << 22], ids=["a-table-a-chunk", "chunks-across-tables", "one-chunk"])
+def test_the_first_table_with_faulty_offsets_is_named_whatever_the_chunks(tmp_path, monkeypatch, bags):
+    """Offsets are checked a chunk of bags at a time: the error names the first faulty table
+    (here a wrong length in table 1, offsets decreasing in table 3), as one table at a time would."""
+    monkeypatch.setattr(dlrm_datasets, "VALIDATE_BAGS", bags)
+    lengths = torch.ones(4, 3, dtype=torch.int64)
+    offsets = torch.tensor([0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 10, 12])  # table 1, bag 1: 2 long; table 3 decreases
+    indices = torch.zeros(12, dtype=torch.int64)
+    path = _bad(tmp_path, "two_faults.pt", (indices, offsets, lengths.clone()))
+    with pytest.raises(InputError, match=r"lengths\[1, 1\] = 1 disagrees with the offsets \(2\)"):
+        DlrmDataset.open(path)
+    lengths[1, 1] = 2  # table 1 now right
+    path = _bad(tmp_path, "one_fault.pt", (indices, offsets, lengths))
+    with pytest.raises(InputError, match="offsets decrease at table 3, bag 1"):
+        DlrmDataset.open(path)
 
 
 def test_truncated_and_foreign_files(tmp_path, small_file):

@@ -148,7 +148,7 @@ def replay_histogram(hist: Sequence[float], ratio: float) -> tuple[float, ...]:
     if h.shape != (NUM_REUSE_BINS,) or h.sum() <= 0 or not ratio > 0:
         raise ValueError(f"replay_histogram needs {NUM_REUSE_BINS} shares summing above 0 and a ratio > 0")
     new = (h / h.sum()) @ _replay_matrix(float(ratio))
-    return tuple(round(float(x), 6) for x in new / new.sum())
+    return tuple([round(x, 6) for x in (new / new.sum()).tolist()])
 
 
 def trace_histogram(access_counts: np.ndarray, ratio: float) -> tuple[float, ...]:
@@ -160,7 +160,7 @@ def trace_histogram(access_counts: np.ndarray, ratio: float) -> tuple[float, ...
         return _FLAT
     counts, rows = np.unique(c, return_counts=True)
     new = rows.astype(np.float64) @ _poisson_bin_shares(counts.astype(np.float64) * float(ratio))
-    return tuple(round(float(x), 6) for x in new / new.sum())
+    return tuple([round(x, 6) for x in (new / new.sum()).tolist()])
 
 
 _WARNED_TRACES: set[str] = set()

@@ -164,6 +164,10 @@ def _load_tuple(path: Path) -> Any:
         ) from None
 
 
+#: `_validate` checks the offsets of this many bags at a time (its temporaries' size)
+VALIDATE_BAGS = 1 << 22
+
+
 def _validate(path: Path, obj: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     where = str(path)
     if not isinstance(obj, (tuple, list)):
@@ -194,17 +198,26 @@ def _validate(path: Path, obj: Any) -> tuple[torch.Tensor, torch.Tensor, torch.T
         raise InputError(
             f"{where}: offsets[-1] is {int(offsets[-1])} but there are {indices.numel()} indices"
         )
-    for t in range(T):  # per table: small temporaries only
-        o = offsets[t * B : (t + 1) * B + 1]
+    # a chunk of tables at a time (temporaries of a few million bags, whatever the file's size);
+    # the first table with a fault is reported, a decreasing offset before a wrong length
+    step = max(1, VALIDATE_BAGS // B)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        o = offsets[t0 * B : t1 * B + 1]
         d = o[1:] - o[:-1]
-        if bool((d < 0).any()):
-            bag = int(torch.nonzero(d < 0)[0])
+        want = lengths[t0:t1].reshape(-1).to(d.dtype)
+        neg, off = d < 0, d != want
+        if not bool(neg.any()) and not bool(off.any()):
+            continue
+        t = t0 + int(torch.nonzero(neg | off)[0]) // B  # the first table with a fault
+        dt, lt = d[(t - t0) * B : (t - t0 + 1) * B], lengths[t].to(d.dtype)
+        if bool((dt < 0).any()):
+            bag = int(torch.nonzero(dt < 0)[0])
             raise InputError(f"{where}: offsets decrease at table {t}, bag {bag} (not monotone)")
-        if not torch.equal(d, lengths[t].to(d.dtype)):
-            bag = int(torch.nonzero(d != lengths[t].to(d.dtype))[0])
-            raise InputError(
-                f"{where}: lengths[{t}, {bag}] = {int(lengths[t, bag])} disagrees with the offsets ({int(d[bag])})"
-            )
+        bag = int(torch.nonzero(dt != lt)[0])
+        raise InputError(
+            f"{where}: lengths[{t}, {bag}] = {int(lengths[t, bag])} disagrees with the offsets ({int(dt[bag])})"
+        )
     if indices.numel() and int(indices.min()) < 0:
         raise InputError(f"{where}: negative indices (min {int(indices.min())})")
     return indices, offsets, lengths
