@@ -45,8 +45,9 @@ class NumpyComputeNet:
     `ComputeNet.forward` on the shard's pieces."""
 
     def __init__(self, state: dict[str, torch.Tensor]):
-        self.rates = _linears(state, "rates")
-        self.context = _linears(state, "context")
+        # float64, as the features they meet: numpy would cast float32 weights on every call
+        self.rates = [(w.astype(np.float64), b.astype(np.float64)) for w, b in _linears(state, "rates")]
+        self.context = [(w.astype(np.float64), b.astype(np.float64)) for w, b in _linears(state, "context")]
         self.x_mean, self.x_std = _np(state, "x_mean"), _np(state, "x_std")
         self.x_lo, self.x_hi = _np(state, "x_lo"), _np(state, "x_hi")
         self.ctx_mean, self.ctx_std = _np(state, "ctx_mean"), _np(state, "ctx_std")
