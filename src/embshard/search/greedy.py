@@ -8,8 +8,9 @@ no other piece of the same table (pieces of one table on one device would only r
 lookups); among the allowed devices the one whose WHOLE shard, re-predicted with the piece
 added, is cheapest wins (ties: less memory used, then lower index). All candidate shards of
 one placement go to the predictor in one batched call (`embshard.search.accumulators`), and
-every shard prediction is cached by the multiset of its pieces, so runs for different caps
-share their common prefix. When no device passes the width cap, any device with memory room
+every shard prediction is cached by the multiset of its pieces; a run under a larger cap picks
+up where its candidate devices first differ from a smaller cap's run (the steps before are the
+same), from a copy of that run's state. When no device passes the width cap, any device with memory room
 is allowed. Memory goes through the foundation's `MemoryLedger` with this preference order,
 and the look-ahead (`embshard.packing.LookAhead`) skips a placement that would leave
 the remaining pieces unpackable. The plan with the lowest simulated plan cost over all caps
