@@ -55,6 +55,24 @@ def _ms(y: np.ndarray) -> np.ndarray:
     return np.expm1(np.minimum(np.maximum(y, np.float32(0.0)), np.float32(20.0)))
 
 
+def _cheapest_first(score: np.ndarray, m: int) -> np.ndarray:
+    """`np.argsort(score, kind="stable")[:m]` (the m cheapest devices, ties: lowest index first),
+    sorting only the devices no dearer than the m-th cheapest: a step on a thousand devices."""
+    if m >= len(score):
+        return np.argsort(score, kind="stable")
+    kth = np.partition(score, m - 1)[m - 1]
+    near = np.flatnonzero(score <= kth)
+    if len(near) < m:  # a NaN score (never expected): the plain sort, which puts NaN last
+        return np.argsort(score, kind="stable")[:m]
+    return near[np.argsort(score[near], kind="stable")[:m]]
+
+
+def _the_rest(score: np.ndarray, m: int):
+    """The devices after the m cheapest, cheapest first, sorted only when the ledger asks
+    (none of the m cheapest took the table)."""
+    yield from np.argsort(score, kind="stable")[m:].tolist()
+
+
 class _Episode:
     """The planning loop both agents share; a subclass keeps the devices' state (`start`,
     `took`), each device's predicted cost now (`scores`) and scores candidates (`logits`)."""
@@ -116,8 +134,7 @@ class _Episode:
             need = view.needs[t]
             score = self.scores().astype(np.float64)
             score[free < need] = np.inf
-            order = np.argsort(score, kind="stable")  # cheapest first; ties (identical devices): lowest first
-            cand = order[:m]
+            cand = _cheapest_first(score, m)  # ties (identical devices): lowest first
             # empty devices are identical: one is scored for all (numpy's kernels may round the same
             # row differently at another position, which would break their tie at random)
             empty = self.cnt[cand] == 0
@@ -127,7 +144,7 @@ class _Episode:
             src[empty] = src[np.argmax(empty)]
             logits = self.logits(t, cand[keep])[src]
             first = cand[np.argsort(-logits, kind="stable")]
-            dev = ledger.place(tables[t], need, itertools.chain(first.tolist(), order[m:].tolist()))
+            dev = ledger.place(tables[t], need, itertools.chain(first.tolist(), _the_rest(score, m)))
             out[t] = dev
             free[dev] = ledger.free[dev]
             self.used[dev] = 1.0 - ledger.free[dev] / memory
@@ -191,11 +208,11 @@ class NumpyDreamShard(_Episode):
         raw = _relu(pre) @ self.h2w + self.h2b
         c_ms = _ms(compute)
         many = np.float32(1.0 if devices > 1 else 0.0)
-        bw = many * (volume * self.rate[1] * np.exp(2.0 * np.tanh(raw[:, 1] / 2.0)) + self.base[1])
-        fw = many * (volume * self.rate[0] * np.exp(2.0 * np.tanh(raw[:, 0] / 2.0)) + self.base[0])
-        fw = fw + np.maximum(np.maximum(np.float32(slowest), c_ms) - c_ms, np.float32(0.0))
+        comm = many * (volume[:, None] * self.rate * np.exp(2.0 * np.tanh(raw / 2.0)) + self.base)  # [R, 2]: fw, bw
+        comm[:, 0] += np.maximum(np.maximum(np.float32(slowest), c_ms) - c_ms, np.float32(0.0))
         out = np.empty((len(compute), 3), dtype=np.float32)
-        out[:, 0], out[:, 1], out[:, 2] = compute, np.log1p(fw), np.log1p(bw)
+        out[:, 0] = compute
+        out[:, 1:] = np.log1p(comm)
         return _ms(out)
 
     def placement(self, s: np.ndarray, cnt: np.ndarray, table: np.ndarray, smax: np.ndarray, total: float,
