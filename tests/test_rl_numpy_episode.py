@@ -147,3 +147,22 @@ def test_argmax_planning_goes_through_numpy_and_sampling_through_torch(monkeypat
     best_plan(agent, task, 3, generator=torch.Generator().manual_seed(0), algorithm=algorithm, max_candidates=4)
     assert calls == [1]  # sampled episodes run in the torch rollout
     validate(task, argmax)
+
+
+def test_a_steps_cheapest_devices_are_those_of_the_full_stable_sort():
+    """The partition shortcut gives the m cheapest devices in the order of the full stable sort
+    (ties: lowest index first), and the rest, asked for lazily, continues it; inf (no room) and
+    NaN scores included."""
+    from embshard.search.rl.numpy_episode import _cheapest_first, _the_rest
+
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        d = int(rng.integers(1, 300))
+        score = rng.integers(0, 5, d).astype(float) if trial % 2 else rng.random(d)  # many ties, or none
+        score[rng.random(d) < 0.2] = np.inf
+        if trial % 7 == 0:
+            score[rng.integers(0, d, 2)] = np.nan
+        m = int(rng.integers(1, d + 2))
+        full = np.argsort(score, kind="stable")
+        assert _cheapest_first(score, m).tolist() == full[:m].tolist()
+        assert list(_the_rest(score, m)) == full[m:].tolist()
