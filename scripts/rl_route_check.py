@@ -16,7 +16,7 @@ even share), where the look-ahead works hardest. Any of the portfolio's nine mem
 
 Used for the numpy planning episode (docs/portfolio.md, "DreamShard and AutoShard plan in
 numpy"; records docs/portfolio/eval/numpy_route_<member>_{old,new}.json) and for the speed-ups
-that must leave plans identical ("Same plans, less work"; docs/portfolio/eval/identity_*.json).
+that must leave plans identical ("Same plans, less work"; docs/portfolio/eval/identity/).
 """
 
 from __future__ import annotations
