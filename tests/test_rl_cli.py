@@ -60,3 +60,17 @@ def test_bad_rl_config_is_one_line_error_and_writes_nothing(tmp_path, capsys, ov
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
     assert not out.exists()
+
+
+def test_rl_wide_widens_rl_broads_tasks_and_keeps_the_rest():
+    """experiment=rl_wide (make rl-wide) is rl_broad's training with wider tasks: its own table
+    counts, device counts and dims, and rl_broad's batches, histogram share, replay without warm-start
+    data and structured comm heads."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        broad = compose(config_name="train", overrides=["stage=rl", "rl=dreamshard", "experiment=rl_broad"]).rl
+        wide = compose(config_name="train", overrides=["stage=rl", "rl=dreamshard", "experiment=rl_wide"]).rl
+    assert (wide.tasks.min_tables, wide.tasks.max_tables) == (8, 48) != (broad.tasks.min_tables, broad.tasks.max_tables)
+    assert list(wide.tasks.num_devices) == [2, 4, 8, 16] and list(wide.tasks.dims)[-1] == 256
+    for key in ("batch_size", "no_histogram_fraction", "num_train_tasks"):
+        assert wide.tasks[key] == broad.tasks[key]
+    assert wide.cost_data is None and wide.nets.dreamshard.costnet.structured_comm is True
