@@ -17,6 +17,7 @@ from embshard import InfeasibleError, InputError, Table, Task, validate
 from embshard.costs.analytic import AnalyticCostModel
 from embshard.plan import Shard
 from embshard.search.neuroshard import (
+    BEAM_MAX_PIECES,
     ROOT,
     NeuroShardSearch,
     NeuroShardSharder,
@@ -360,6 +361,21 @@ def test_beam_is_skipped_for_huge_tasks_but_splits_still_rescue():
     s = sharder(beam_max_work=None, beam_steps=1)
     s.shard(task)
     assert s.last_stats["beam"] is True and s.last_stats["greedy_runs"] > 1
+
+
+def test_beam_is_skipped_above_beam_max_pieces_whatever_the_device_count():
+    """Each of the beam's greedy runs costs per piece even on few devices, so the beam also
+    needs the task to have at most `beam_max_pieces` pieces (200 tables on 8 devices, within
+    beam_max_work, took 42 s with it)."""
+    tables = [Table(f"t{i}", 1000, 8, 1.0) for i in range(20)]
+    task = make_task(tables, 2, slack=2.0)
+    for limit, ran in ((19, False), (20, True), (None, True)):
+        s = sharder(beam_max_work=None, beam_steps=1, beam_max_pieces=limit)
+        validate(task, s.shard(task))
+        assert s.last_stats["beam"] is ran and (s.last_stats["greedy_runs"] > 1) is ran
+    assert sharder().beam_max_pieces == BEAM_MAX_PIECES == 64
+    with pytest.raises(InputError, match="beam_max_pieces"):
+        sharder(beam_max_pieces=0)
 
 
 def test_row_splits_never_leave_a_device_an_empty_block():

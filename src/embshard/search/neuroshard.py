@@ -34,7 +34,10 @@ measuring time counts in the search time.
 Scaling: the greedy is O(pieces × devices) predictions per cap, made in one batched call per
 placement. The beam multiplies that by up to beam_steps × beam_width × 3·candidates, so it
 only runs when pieces × devices ≤ `beam_max_work` (default 8192, e.g. 60 tables × 128
-devices or 856 × 8); bigger tasks get the table-wise grid plus memory-forced splits.
+devices or 856 × 8) and pieces ≤ `beam_max_pieces` (default 64); bigger tasks get the
+table-wise grid plus memory-forced splits. The second bound is there because each of the beam's
+~800 greedy runs costs about 0.2 ms a piece even on few devices: 200 tables on 8 devices, within
+the first bound, took 42 s with the beam and well under a second without it.
 """
 
 from __future__ import annotations
@@ -66,7 +69,10 @@ from embshard.task import Task
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BUILD_COMMAND", "Candidate", "DEFAULT_CAPS", "DEFAULT_CHECKPOINT", "GreedyResult", "GuardResult",
+#: the beam runs only on tasks of at most this many pieces (its ~800 greedy runs cost ~0.2 ms a piece each)
+BEAM_MAX_PIECES = 64
+
+__all__ = ["BEAM_MAX_PIECES", "BUILD_COMMAND", "Candidate", "DEFAULT_CAPS", "DEFAULT_CHECKPOINT", "GreedyResult", "GuardResult",
            "INCREMENTAL_MIN_DEVICES", "NeuroShardSearch", "NeuroShardSharder", "ROOT", "halve", "heuristic_sharders",
            "resolve_path", "supports_incremental"]
 
@@ -90,6 +96,7 @@ class NeuroShardSearch:
         beam_max_work: int | None = 8192,
         incremental: bool | str = "auto",
         top_k: int = 1,
+        beam_max_pieces: int | None = BEAM_MAX_PIECES,
         max_candidates: int | None = MAX_CANDIDATE_DEVICES,
         grid_max_work: int | None = GRID_MAX_WORK,
     ):
@@ -103,6 +110,7 @@ class NeuroShardSearch:
         self.column_wise = bool(column_wise)
         self.row_wise = bool(row_wise)
         self.beam_max_work = beam_max_work
+        self.beam_max_pieces = beam_max_pieces
         self.beam_ran = False
         d, per_host = task.num_devices, task.devices_per_host or task.num_devices
         self.row_groups: list[tuple[int, ...]] = (
@@ -195,6 +203,8 @@ class NeuroShardSearch:
     def beam_allowed(self, state: tuple[PieceSpec, ...]) -> bool:
         if not (self.column_wise or self.row_wise) or self.beam_steps <= 0 or self.beam_width <= 0 or self.candidates <= 0:
             return False
+        if self.beam_max_pieces is not None and len(state) > self.beam_max_pieces:
+            return False
         return self.beam_max_work is None or len(state) * self.task.num_devices <= self.beam_max_work
 
     def moves(self, state: tuple[PieceSpec, ...]) -> list[tuple[PieceSpec, ...]]:
@@ -277,6 +287,7 @@ class NeuroShardSharder(GuardSlot):
         column_wise: column halvings in the beam (memory-forced splits happen regardless).
         row_wise: row splits (TorchRec row-wise, or table-row-wise per host) in the beam.
         beam_max_work: run the beam only when pieces × devices ≤ this (None: always).
+        beam_max_pieces: and only when the task has at most this many pieces (None: any).
         predictor: a ShardPredictor to use directly (tests, notebooks); overrides checkpoint.
         delay_round_ms: rounding of compute delays in the comm cache key.
         incremental: when the predictor exposes `table_encodings`/`head_ms` with an
@@ -343,6 +354,7 @@ class NeuroShardSharder(GuardSlot):
         max_candidates: int | None = MAX_CANDIDATE_DEVICES,
         grid_max_work: int | None = GRID_MAX_WORK,
         trace_histograms: str = "replay",
+        beam_max_pieces: int | None = BEAM_MAX_PIECES,
     ):
         if trace_histograms not in TRACE_HISTOGRAMS:
             raise InputError(f"neuroshard: trace_histograms must be replay or given, got {trace_histograms!r}")
@@ -369,11 +381,13 @@ class NeuroShardSharder(GuardSlot):
         self.column_wise = bool(column_wise)
         self.row_wise = bool(row_wise)
         self.beam_max_work = None if beam_max_work is None else int(beam_max_work)
-        for k, v in (("max_candidates", max_candidates), ("grid_max_work", grid_max_work)):
+        for k, v in (("max_candidates", max_candidates), ("grid_max_work", grid_max_work),
+                     ("beam_max_pieces", beam_max_pieces)):
             if v is not None and int(v) < 1:
                 raise InputError(f"neuroshard: {k} must be >= 1 or null, got {v!r}")
         self.max_candidates = None if max_candidates is None else int(max_candidates)
         self.grid_max_work = None if grid_max_work is None else int(grid_max_work)
+        self.beam_max_pieces = None if beam_max_pieces is None else int(beam_max_pieces)
         self.name = name
         self.delay_round_ms = float(delay_round_ms)
         self.incremental = incremental
@@ -429,6 +443,7 @@ class NeuroShardSharder(GuardSlot):
             beam_steps=self.beam_steps, candidates=self.candidates, column_wise=self.column_wise,
             row_wise=self.row_wise, beam_max_work=self.beam_max_work, incremental=self.incremental,
             top_k=max(1, self.verify_count), max_candidates=self.max_candidates, grid_max_work=self.grid_max_work,
+            beam_max_pieces=self.beam_max_pieces,
         )
 
     def predicted_costs(self, task: Task, plan: Plan) -> DeviceCosts:
