@@ -26,7 +26,7 @@ from pathlib import Path
 
 from embshard.costs.analytic import AnalyticCostModel
 from embshard.data.tasks import planning_bench_tasks
-from embshard.search.neuroshard import NeuroShardSharder
+from embshard.search.neuroshard import BEAM_MAX_PIECES, NeuroShardSharder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,16 +40,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="timed plans per planner (fresh sharder each)")
     ap.add_argument("--trace-batch", type=int, default=512, help="batch of the synthetic trace file")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--beam-steps", type=int, default=10, help="NeuroShard's beam_steps")
+    ap.add_argument("--beam-max-pieces", default=str(BEAM_MAX_PIECES),
+                    help="NeuroShard's beam_max_pieces ('none': the beam at any piece count)")
     args = ap.parse_args()
+    max_pieces = None if args.beam_max_pieces.lower() == "none" else int(args.beam_max_pieces)
+    beam = dict(beam_steps=args.beam_steps, beam_max_pieces=max_pieces)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     task, warm = planning_bench_tasks(args.tables, args.devices, ROOT / "data", trace_batch=args.trace_batch, seed=args.seed)
     print(f"task {task.name}: {len(task.tables)} tables, {task.num_devices} devices, "
           f"{task.device_memory_bytes / 2**30:.2f} GiB per device")
 
-    planners = {"neuroshard (analytic)": lambda: NeuroShardSharder(checkpoint=None, verify=0)}
+    planners = {"neuroshard (analytic)": lambda: NeuroShardSharder(checkpoint=None, verify=0, **beam)}
     if args.checkpoint:
-        planners["neuroshard (neural)"] = lambda: NeuroShardSharder(checkpoint=args.checkpoint, verify=0)
+        planners["neuroshard (neural)"] = lambda: NeuroShardSharder(checkpoint=args.checkpoint, verify=0, **beam)
     if args.torchrec:
         from embshard.search.torchrec_planner import TorchRecPlanner
 
