@@ -26,9 +26,18 @@ from pathlib import Path
 
 from embshard.costs.analytic import AnalyticCostModel
 from embshard.data.tasks import planning_bench_tasks
-from embshard.search.neuroshard import BEAM_MAX_PIECES, NeuroShardSharder
+from embshard.search.neuroshard import NeuroShardSharder
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pieces(value: str) -> int | str:
+    if value.lower() == "none":
+        return "none"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a piece count or 'none', got {value!r}") from None
 
 
 def main() -> None:
@@ -40,12 +49,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="timed plans per planner (fresh sharder each)")
     ap.add_argument("--trace-batch", type=int, default=512, help="batch of the synthetic trace file")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--beam-steps", type=int, default=10, help="NeuroShard's beam_steps")
-    ap.add_argument("--beam-max-pieces", default=str(BEAM_MAX_PIECES),
-                    help="NeuroShard's beam_max_pieces ('none': the beam at any piece count)")
+    ap.add_argument("--beam-steps", type=int, help="NeuroShard's beam_steps (default: the sharder's)")
+    ap.add_argument("--beam-max-pieces", type=_pieces,
+                    help="NeuroShard's beam_max_pieces ('none': the beam at any piece count; default: the sharder's)")
     args = ap.parse_args()
-    max_pieces = None if args.beam_max_pieces.lower() == "none" else int(args.beam_max_pieces)
-    beam = dict(beam_steps=args.beam_steps, beam_max_pieces=max_pieces)
+    beam = {k: v for k, v in (("beam_steps", args.beam_steps), ("beam_max_pieces", args.beam_max_pieces))
+            if v is not None}
+    if args.beam_max_pieces == "none":
+        beam["beam_max_pieces"] = None
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     task, warm = planning_bench_tasks(args.tables, args.devices, ROOT / "data", trace_batch=args.trace_batch, seed=args.seed)
