@@ -145,6 +145,8 @@ def test_validator_accepts_mixed_column_and_row_split():
         ([], "not placed"),
         ([Shard("a", 0, 0, 16, 0, 1000), Shard("a", 1, 0, 16, 0, 1000)], "covered twice"),
         ([Shard("a", 0, 0, 8, 0, 1000)], "uncovered"),
+        ([Shard("a", 0, 0, 16, 0, 999)], "uncovered"),  # one full-width shard one row short
+        ([Shard("a", 1, 0, 16, 0, 1000, 1)], "not placed"),  # one whole shard, a copy of nothing
         ([Shard("a", 0, 0, 6, 0, 1000), Shard("a", 0, 6, 10, 0, 1000)], "multiple of 4"),
         ([Shard("a", 2, 0, 16, 0, 1000)], "out of range"),
         ([Shard("a", 0, 0, 16, 0, 1001)], "exceeds"),
