@@ -184,16 +184,22 @@ rl-broad: $(STAMP)
 			rl.log_dir=$(RL)/logs/$${a}_broad out_dir=checkpoints/$${a}_cpu || exit 1; \
 	done
 
+# $(call rl_both,<overrides>,<dir>): DreamShard and AutoShard trained with <overrides>, each
+# replaying the shipped policy's measured plans, written to <dir>/<algorithm>
+define rl_both
+for a in dreamshard autoshard; do \
+	$(PY) train.py stage=rl rl=$$a $(1) rl.replay=checkpoints/$${a}_cpu/measured_plans.jsonl \
+		rl.validate.measure=false rl.log_dir=$(2)/logs/$$a out_dir=$(2)/$$a || exit 1; \
+done
+endef
+
 # DreamShard and AutoShard on wider training tasks (experiment=rl_wide: 8-48 tables, 2-16 devices,
 # dims 4-256, otherwise rl_broad), each replaying the shipped policy's 200 measured plans and
 # measuring 100 more: about 27 + 20 min here. Not shipped: both were worse on measured validation
 # tasks (docs/rl.md, "Wider training tasks"). Writes to RL_WIDE.
 RL_WIDE ?= $(RL)/wide
 rl-wide: $(STAMP)
-	for a in dreamshard autoshard; do \
-		$(PY) train.py stage=rl rl=$$a experiment=rl_wide rl.replay=checkpoints/$${a}_cpu/measured_plans.jsonl \
-			rl.validate.measure=false rl.log_dir=$(RL_WIDE)/logs/$$a out_dir=$(RL_WIDE)/$$a || exit 1; \
-	done
+	$(call rl_both,experiment=rl_wide,$(RL_WIDE))
 
 # The shipped range (experiment=rl_broad) with twice the measurements per run (rl.iterations=20:
 # 200 new measured plans after the shipped policy's 200 replayed): about 37 + 27 min here. Not
@@ -201,11 +207,7 @@ rl-wide: $(STAMP)
 # Writes to RL_MORE.
 RL_MORE ?= $(RL)/more
 rl-more: $(STAMP)
-	for a in dreamshard autoshard; do \
-		$(PY) train.py stage=rl rl=$$a experiment=rl_broad rl.iterations=20 \
-			rl.replay=checkpoints/$${a}_cpu/measured_plans.jsonl rl.validate.measure=false \
-			rl.log_dir=$(RL_MORE)/logs/$$a out_dir=$(RL_MORE)/$$a || exit 1; \
-	done
+	$(call rl_both,experiment=rl_broad rl.iterations=20,$(RL_MORE))
 
 rl-eval: $(STAMP)
 	$(PY) scripts/rl_eval.py tasks --out $(RL)/eval/tasks

@@ -31,9 +31,9 @@ from embshard.search.neuroshard import NeuroShardSharder
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _pieces(value: str) -> int | str:
+def _pieces(value: str) -> int | None:
     if value.lower() == "none":
-        return "none"
+        return None
     try:
         return int(value)
     except ValueError:
@@ -49,14 +49,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="timed plans per planner (fresh sharder each)")
     ap.add_argument("--trace-batch", type=int, default=512, help="batch of the synthetic trace file")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--beam-steps", type=int, help="NeuroShard's beam_steps (default: the sharder's)")
-    ap.add_argument("--beam-max-pieces", type=_pieces,
+    # absent unless given (argparse.SUPPRESS), so the sharder keeps its own defaults
+    ap.add_argument("--beam-steps", type=int, default=argparse.SUPPRESS,
+                    help="NeuroShard's beam_steps (default: the sharder's)")
+    ap.add_argument("--beam-max-pieces", type=_pieces, default=argparse.SUPPRESS,
                     help="NeuroShard's beam_max_pieces ('none': the beam at any piece count; default: the sharder's)")
     args = ap.parse_args()
-    beam = {k: v for k, v in (("beam_steps", args.beam_steps), ("beam_max_pieces", args.beam_max_pieces))
-            if v is not None}
-    if args.beam_max_pieces == "none":
-        beam["beam_max_pieces"] = None
+    beam = {k: getattr(args, k) for k in ("beam_steps", "beam_max_pieces") if hasattr(args, k)}
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     task, warm = planning_bench_tasks(args.tables, args.devices, ROOT / "data", trace_batch=args.trace_batch, seed=args.seed)
