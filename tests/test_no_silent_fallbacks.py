@@ -156,8 +156,43 @@ def test_torch_kernels_time_sgd_tasks_and_refuse_others():
     HardwareEvaluator(backend="fbgemm", comm_backend=None).check_task(task)
 
 
+def test_fbgemm_cpu_kernels_refuse_adam_in_one_line_before_measuring(capsys, tmp_path):
+    """Before: FBGEMM's AssertionError ("Optimizer adam is not supported in CPU mode") and its
+    traceback after the planners had run; now exit 2, one line, nothing written."""
+    import shard
+    from hydra import compose, initialize_config_dir
+
+    from embshard.cli import one_line_errors
+    from embshard.hardware.backends import ShardInput, make_kernel
+    from embshard.hardware.evaluator import HardwareEvaluator
+    from embshard.plan import Shard
+
+    adam_task().save(tmp_path / "task.json")
+    out = tmp_path / "out"
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="shard", overrides=[f"task_file={tmp_path / 'task.json'}", f"out_dir={out}",
+                                                      "algorithm=size_greedy", "evaluate=measured", "hardware=fbgemm_cpu",
+                                                      "measure=quick", "progress=false"])
+    with pytest.raises(SystemExit) as e:
+        one_line_errors(shard.run, cfg)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: FBGEMM's CPU kernel has no fused 'adam' update and task 'small_adam' uses it: ")
+    assert err.count("\n") == 1
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["task.json"]
+    shards = [ShardInput(adam_task().tables[0], Shard("a", 0, 0, 8, 0, 100))]
+    with pytest.raises(InputError, match="no fused 'adam' update"):
+        make_kernel("fbgemm", shards, 64, optimizer="adam")
+    with pytest.raises(InputError, match="no fused 'adam' update"):
+        HardwareEvaluator(backend="torch", comm_backend="gloo", step="dmp").check_task(adam_task())
+    for optimizer in ("sgd", "rowwise_adagrad", "adagrad"):  # the updates it has
+        HardwareEvaluator(backend="fbgemm", comm_backend=None).check_task(adam_task(optimizer))
+        make_kernel("fbgemm", shards, 64, optimizer=optimizer)
+
+
 @pytest.mark.parametrize("over, message", [
     ({"backend": "torch", "optimizer": "adam"}, "torch backend times an SGD update only"),
+    ({"backend": "fbgemm", "optimizer": "adam"}, "CPU kernel has no fused 'adam' update"),
     ({"optimizer": "adamw"}, "collect.optimizer must be one of"),  # was a KeyError at the first kernel
 ])
 def test_collect_refuses_an_optimizer_it_cannot_time_before_measuring(over, message):

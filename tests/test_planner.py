@@ -343,3 +343,24 @@ def test_kernel_measurement_refuses_data_parallel_tables_it_cannot_time():
     with pytest.raises(InputError, match=r"replicates pooled table\(s\) \['country'\].*hardware=dmp_cpu") as e:
         HardwareEvaluator(comm_backend=None).measure_many(task, [plan])
     assert "\n" not in str(e.value)
+
+
+def test_one_rank_plans_honour_row_wise_and_data_parallel_constraints():
+    """On one rank TorchRec's row-wise layout is the whole table on rank 0 and data-parallel is
+    the table once: a single shard is each of them (a user's constraints from a bigger cluster
+    plan on one device), and a one-row table is row-wise only on the first rank."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    cons = _constraints(i0=dict(sharding_types=["row_wise"]), u0=dict(sharding_types=["table_row_wise"]),
+                        u1=dict(sharding_types=["data_parallel"]))
+    planner = embshard.EmbShardPlanner(topology=_topology(1, device="cuda", cap=4 * GiB), constraints=cons,
+                                       algorithm="size_lookup_greedy")
+    sp = planner.plan(Nested(), [EmbeddingBagCollectionSharder()])
+    kinds = {n: sp.plan[m][n].sharding_type for m, n in [("item.ebc", "i0"), ("user.tower.ebc", "u0"),
+                                                          ("user.tower.ebc", "u1"), ("item.ebc", "i1")]}
+    assert kinds == {"i0": "row_wise", "u0": "table_row_wise", "u1": "data_parallel", "i1": "table_wise"}
+    assert sp.plan["item.ebc"]["i0"].ranks == [0]
+    one_row = Task("r", 4, GiB, 64, (Table("a", 1, 16, 1.0, sharding_types=["row_wise"]),))
+    validate(one_row, Plan("r", "x", [Shard("a", 0, 0, 16, 0, 1)]))
+    with pytest.raises(PlanError, match=r"table 'a' is constrained to \['row_wise'\] but the plan shards it table_wise"):
+        validate(one_row, Plan("r", "x", [Shard("a", 1, 0, 16, 0, 1)]))

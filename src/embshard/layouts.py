@@ -7,7 +7,8 @@ raises a one-line PlanError naming the table when TorchRec cannot train them:
 
 * one shard covering the whole table -> table_wise (also a one-piece column_wise or
   table_column_wise, as TorchRec itself plans a column-wise table narrower than its
-  `min_partition`);
+  `min_partition`; row_wise / table_row_wise too where TorchRec's row blocks put every row on
+  that rank: one rank, or a one-row table on the first; data_parallel on one rank);
 * shards that each hold all rows and split the columns (any widths, any ranks, several per
   rank allowed) -> column_wise; table_column_wise too when they sit on one host;
 * shards that each hold all columns and split the rows -> row_wise, but only in TorchRec's
@@ -94,7 +95,16 @@ def torchrec_layouts(table: Table, shards: Sequence[_ShardLike], world_size: int
     if len(shards) == 1:
         s = shards[0]
         piece = [(0, 0, table.rows, table.dim, s.device)]
-        return [("table_wise", piece), ("column_wise", piece), ("table_column_wise", piece)]
+        out = [("table_wise", piece), ("column_wise", piece), ("table_column_wise", piece)]
+        # TorchRec's row-wise layouts hold a one-row table (or any table on one rank) as one
+        # block on the first rank: the same single shard
+        rows = _row_pieces(table, shards, 0, table.dim, list(range(world_size)))
+        if rows is not None:
+            out.append(("row_wise", rows))
+        out += [("table_row_wise", p) for p in (_row_pieces(table, shards, 0, table.dim, r) for r in hosts) if p is not None]
+        if world_size == 1:  # data-parallel over one rank: the table once
+            out.append(("data_parallel", piece))
+        return out
     full_rows = all(s.row_offset == 0 and s.rows == table.rows for s in shards)
     full_cols = all(s.col_offset == 0 and s.dim == table.dim for s in shards)
     if full_rows:

@@ -41,6 +41,8 @@ FBGEMM_OPTIMIZERS = {
     "adagrad": "EXACT_ADAGRAD",
     "adam": "ADAM",
 }
+#: the fused updates FBGEMM's CPU kernel has (its CPU mode refuses ADAM)
+FBGEMM_CPU_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
 LEARNING_RATE = 0.01
 
 
@@ -176,6 +178,7 @@ class FbgemmKernel(DeviceKernel):
 
         if optimizer not in FBGEMM_OPTIMIZERS:
             raise InputError(f"fbgemm backend: unknown optimizer {optimizer!r}; one of {sorted(FBGEMM_OPTIMIZERS)}")
+        check_fbgemm_optimizer(optimizer, self.device)
         cuda = self.device.type == "cuda"
         loc = EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST
         comp = ComputeDevice.CUDA if cuda else ComputeDevice.CPU
@@ -274,6 +277,15 @@ def check_torch_optimizer(optimizer: str, task: str | None = None) -> None:
         whose = f"task {task!r} uses" if task is not None else "the task uses"
         raise InputError(f"the torch backend times an SGD update only and {whose} optimizer {optimizer!r}: "
                          "measure it with backend fbgemm (hardware=fbgemm_cpu or fbgemm_cuda)")
+
+
+def check_fbgemm_optimizer(optimizer: str, device: str | torch.device, task: str | None = None) -> None:
+    """FBGEMM's CPU kernel has no fused Adam: an InputError before anything is measured."""
+    if torch.device(device).type == "cpu" and optimizer in FBGEMM_OPTIMIZERS and optimizer not in FBGEMM_CPU_OPTIMIZERS:
+        whose = f"task {task!r} uses" if task is not None else "the task uses"
+        raise InputError(f"FBGEMM's CPU kernel has no fused {optimizer!r} update and {whose} it: measure it on a GPU "
+                         f"(hardware=fbgemm_cuda) or plan it without measuring (evaluate=estimated); on CPU it "
+                         f"times {', '.join(FBGEMM_CPU_OPTIMIZERS)}")
 
 
 def make_kernel(

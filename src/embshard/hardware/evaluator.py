@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from embshard.costs.base import DeviceCosts
 from embshard.errors import InputError
-from embshard.hardware.backends import BACKENDS, ShardInput, check_torch_optimizer
+from embshard.hardware.backends import BACKENDS, ShardInput, check_fbgemm_optimizer, check_torch_optimizer
 from embshard.hardware.comm import CommConfig, CommResult, measure_comm
 from embshard.hardware.compute import measure_compute
 from embshard.hardware.protocol import MeasurementProtocol, Timing
@@ -129,6 +129,8 @@ class HardwareEvaluator:
         """Raise InputError for a task this hardware cannot measure as it is (before planning)."""
         if self.backend == "torch" and self.step == "kernels":
             check_torch_optimizer(task.optimizer, task.name)
+        if self.backend == "fbgemm" or self.step == "dmp":  # TorchRec's CPU tables are FBGEMM's kernel too
+            check_fbgemm_optimizer(task.optimizer, self.device, task.name)
 
     # ------------------------------------------------------------------ CostModel
     def device_costs(self, task: Task, plan: Plan) -> DeviceCosts:

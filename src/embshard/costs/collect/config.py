@@ -147,6 +147,10 @@ def _check_config(c: dict[str, Any]) -> None:
         from embshard.hardware.backends import check_torch_optimizer
 
         check_torch_optimizer(c["optimizer"])
+    else:  # FBGEMM's CPU kernel has no fused Adam
+        from embshard.hardware.backends import check_fbgemm_optimizer
+
+        check_fbgemm_optimizer(c["optimizer"], c["device"])
     from embshard.hardware.protocol import MeasurementProtocol
 
     c["measure"] = MeasurementProtocol.from_config(c["measure"]).to_dict()
