@@ -136,6 +136,12 @@ def test_a_table_that_fits_nowhere_names_it_and_the_shortfall():
         with pytest.raises(InfeasibleError, match=r"table 'huge' needs \d+ bytes .* short by \d+ bytes") as e:
             planner.plan(model, _sharders())
         assert "\n" not in str(e.value) and e.value.table == "huge"
+    # a column-wise table is planned as column slices; the error names the table, not a slice
+    task = Task("cw", 1, 700_000, 4096, (Table("t0", 42091, 4, 1.0, sharding_types=["column_wise", "row_wise"]),))
+    for algorithm in ("size_lookup_greedy", "neuroshard", "dreamshard"):
+        with pytest.raises(InfeasibleError, match=r"^table 't0' \(its column slice 0:4\) needs \d+ bytes .* short by") as e:
+            embshard.plan(task, algorithm=algorithm)
+        assert "__cw" not in str(e.value) and e.value.table == "t0"
 
 
 def _sharders():

@@ -169,6 +169,16 @@ def expand(task: Task, reduction: Reduction, plan: Plan | None, algorithm: str) 
     return out
 
 
+def _slice_named(message: str, name: str | None, reduction: Reduction) -> str:
+    """`message` with a column slice's internal name replaced by its table's name and columns
+    (the user never named `<table>__cw<k>`)."""
+    if name is None or name not in reduction.slices or reduction.task is None:
+        return message
+    table, off = reduction.slices[name]
+    width = reduction.task.table_by_name[name].dim
+    return message.replace(repr(name), f"{table!r} (its column slice {off}:{off + width})")
+
+
 def shard_constrained(sharder, task: Task) -> Plan:
     """`sharder.shard(task)`, with the tables whose constraints leave out table_wise shaped
     first (module docstring). Raises what the search raises, with the reserved memory named
@@ -182,7 +192,8 @@ def shard_constrained(sharder, task: Task) -> Plan:
             plan = sharder.shard(reduction.task)
         except InfeasibleError as e:
             raise InfeasibleError(
-                f"{str(e).splitlines()[0]} (each device's memory less {reduction.reserved_bytes} bytes for the tables "
+                f"{_slice_named(str(e).splitlines()[0], e.table, reduction)} (each device's memory less "
+                f"{reduction.reserved_bytes} bytes for the tables "
                 f"fixed by their sharding_types: {', '.join(reduction.fixed_tables) or 'column slices only'})",
                 table=reduction.slices.get(e.table or "", (e.table,))[0], shortfall_bytes=e.shortfall_bytes) from None
     return expand(task, reduction, plan, getattr(sharder, "name", "plan"))
