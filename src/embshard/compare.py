@@ -101,7 +101,8 @@ def refusal(name: str, capabilities: Capabilities, task: Task) -> str | None:
         seq = [t.name for t in task.tables if t.is_sequence]
         more = f" and {len(seq) - 3} more" if len(seq) > 3 else ""
         return (f"{name} plans {meant} tables only; task {task.name!r} has sequence table(s) "
-                f"{', '.join(map(repr, seq[:3]))}{more}")
+                f"{', '.join(map(repr, seq[:3]))}{more} (size_lookup_greedy and the other table-wise heuristics "
+                f"plan both kinds, flexshard too)")
     return None
 
 
