@@ -44,7 +44,7 @@ def sharders(fit_batches: int) -> dict:
 
 
 def curve(task: Task, factors: list[float], fit_batches: int, eval_batches: int, algorithms: list[str]) -> dict:
-    need = max(RowWiseSharder().shard(Task.from_dict({**task.to_dict(), "device_memory_bytes": 1 << 62})).memory_bytes(task))
+    need = max(RowWiseSharder().shard(Task.from_dict({**task.to_dict(), "device_memory_bytes": 1 << 50})).memory_bytes(task))
     evaluator = TrafficEvaluator(fit_batches, eval_batches)
     evaluator.check_task(task)
     points: dict[str, list] = {a: [] for a in algorithms}

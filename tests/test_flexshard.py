@@ -340,7 +340,7 @@ def test_heldout_family_draws_within_its_ranges_and_replays(tmp_path):
     task = heldout_task(family, 1, 5, tmp_path)
     again = heldout_task(family, 1, 5, tmp_path)  # a pure function of (seed, index); the trace is reused
     assert task == again and task.hosts == heldout_draw(family, 1, 5)["hosts"]
-    need = max(RowWiseSharder().shard(Task.from_dict({**task.to_dict(), "device_memory_bytes": 1 << 62}))
+    need = max(RowWiseSharder().shard(Task.from_dict({**task.to_dict(), "device_memory_bytes": 1 << 50}))
                .memory_bytes(task))
     assert task.device_memory_bytes == math.ceil(1.25 * need)
     for t in task.tables:

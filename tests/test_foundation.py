@@ -99,6 +99,19 @@ def test_table_size_width_and_json():
     ({"reuse_histogram": [1.0] * 18}, "table 'x': reuse_histogram must be 17 non-negative floats"),
     ({"reuse_histogram": [-0.1] + [0.0] * 16}, "table 'x': reuse_histogram must be 17 non-negative floats"),
     ({"reuse_histogram": [float("nan")] + [0.0] * 16}, "table 'x': reuse_histogram must be 17 non-negative floats"),
+    ({"reuse_histogram": "bogus"}, "table 'x': reuse_histogram must be 17 non-negative floats"),
+    ({"reuse_histogram": 3}, "table 'x': reuse_histogram must be 17 non-negative floats"),
+    ({"reuse_histogram": ["a"] * 17}, "table 'x': reuse_histogram must be 17 non-negative floats"),
+    ({"rows": 2**63}, "table 'x': rows must be at most 2**44, got 9223372036854775808"),
+    ({"dim": 2**20}, "table 'x': dim must be at most 65536, got 1048576"),
+    ({"pooling_factor": 1e300}, "table 'x': pooling_factor must be at most 1e+06, got 1e+300"),
+    ({"bytes_per_element": True}, "table 'x': bytes_per_element must be 1, 2, 4 or 8, got True"),
+    ({"kind": ["pooled"]}, "table 'x': kind must be one of pooled, sequence, got ['pooled']"),
+    ({"sharding_types": 1.5}, "table 'x': sharding_types must be a non-empty list of data_parallel, table_wise, "
+                              "column_wise, table_column_wise, row_wise, table_row_wise, grid_shard; got 1.5"),
+    ({"sharding_types": [["row_wise"]]}, "table 'x': sharding_types must be a non-empty list of data_parallel, "
+                                         "table_wise, column_wise, table_column_wise, row_wise, table_row_wise, grid_shard; "
+                                         "got [['row_wise']]"),
 ])
 def test_bad_table_is_a_one_line_input_error(kw, message):
     args = {"name": "x", "rows": 10, "dim": 4, "pooling_factor": 1.0} | kw
@@ -126,6 +139,10 @@ def test_table_edges_are_accepted():
      "table 'x': trace must be {'file': str, 'table_index': int}"),
     ({"name": "x", "rows": 1, "dim": 4, "pooling_factor": 1, "trace": {"file": "f", "table_index": 0, "x": 1}},
      "table 'x': trace: unknown field 'x'; known: file, table_index"),
+    ({"name": "x", "rows": 1, "dim": 4, "pooling_factor": 1, "trace": {"file": "f", "table_index": "a"}},
+     "table 'x': trace must be {'file': str, 'table_index': int}, got {'file': 'f', 'table_index': 'a'}"),
+    ({"name": "x", "rows": 1, "dim": 4, "pooling_factor": 1, "trace": {"file": None, "table_index": 0}},
+     "table 'x': trace must be {'file': str, 'table_index': int}, got {'file': None, 'table_index': 0}"),
 ])
 def test_bad_table_json(d, message):
     with raises(InputError, message):
@@ -148,8 +165,17 @@ def test_table_json_defaults():
     ({"optimizer": "lion"}, "task 't': optimizer must be one of ['adagrad', 'adam', 'rowwise_adagrad', 'sgd'], got 'lion'"),
     ({"tables": ()}, "task 't': has no tables"),
     ({"tables": (A, B, A, B.with_dim(4))}, "task 't': duplicate table name(s) ['a', 'b']"),
-    ({"devices_per_host": 0}, "task 't': devices_per_host must be a positive integer"),
-    ({"devices_per_host": 1.0}, "task 't': devices_per_host must be a positive integer"),
+    ({"devices_per_host": 0}, "task 't': devices_per_host must be a positive integer, got 0"),
+    ({"devices_per_host": 1.0}, "task 't': devices_per_host must be a positive integer, got 1.0"),
+    # wrong types and sizes beyond any machine: one line, not a TypeError or an int64 overflow later
+    ({"optimizer": ["sgd"]}, "task 't': optimizer must be one of ['adagrad', 'adam', 'rowwise_adagrad', 'sgd'], got ['sgd']"),
+    ({"num_devices": 2**21}, "task 't': num_devices must be at most 2**20, got 2097152"),
+    ({"device_memory_bytes": 10**19}, "task 't': device_memory_bytes must be at most 2**50 (1 PiB), got 10000000000000000000"),
+    ({"batch_size": 2**40}, "task 't': batch_size must be at most 2**31, got 1099511627776"),
+    ({"tables": (Table("s", 2**40, 16, 1e6, kind="sequence"),), "batch_size": 2**30},
+     "task 't': table 's' needs 137509322216177664 bytes in training, more than any plan here handles (2**56); "
+     "check its rows, dim and pooling_factor and the batch_size"),
+    ({"tables": ({"name": "a"},)}, "task 't': tables must be Table objects, got dict"),
     ({"devices_per_host": 3}, "task 't': devices_per_host (3) does not divide num_devices (4)"),
     ({"hosts": 0}, "task 't': hosts must be a positive integer, got 0"),
     ({"hosts": 3, "devices_per_host": 2}, "task 't': hosts (3) x devices_per_host (2) must equal num_devices (4)"),

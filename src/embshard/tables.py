@@ -21,6 +21,11 @@ MIN_ROWS = 100
 #: Table kinds: "pooled" (an EmbeddingBag: one vector per bag) or "sequence" (unpooled, TorchRec's
 #: EmbeddingCollection: every id yields its own vector; pooling_factor is then the mean sequence length).
 TABLE_KINDS = ("pooled", "sequence")
+#: the largest sizes a task may state: far beyond any hardware, small enough that no byte count
+#: or lookup count overflows the 64-bit integers the planners keep them in
+MAX_ROWS = 1 << 44
+MAX_DIM = 1 << 16
+MAX_POOLING_FACTOR = 1e6
 #: TorchRec's sharding types (torchrec.distributed.types.ShardingType values): what a table's
 #: `sharding_types` constraint may name.
 SHARDING_TYPES = ("data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise",
@@ -104,23 +109,31 @@ class Table:
             raise InputError(f"table name must be a non-empty string, got {self.name!r}")
         if not _is_int(self.rows) or self.rows <= 0:
             raise InputError(f"{where}: rows must be a positive integer, got {self.rows!r}")
+        if self.rows > MAX_ROWS:
+            raise InputError(f"{where}: rows must be at most 2**44, got {self.rows!r}")
         if not _is_int(self.dim) or self.dim <= 0 or self.dim % DIM_ALIGNMENT:
             raise InputError(
                 f"{where}: dim must be a positive multiple of {DIM_ALIGNMENT}, got {self.dim!r}"
             )
-        if not isinstance(self.pooling_factor, (int, float)) or not (
+        if self.dim > MAX_DIM:
+            raise InputError(f"{where}: dim must be at most {MAX_DIM}, got {self.dim!r}")
+        if not _is_number(self.pooling_factor) or not (
             math.isfinite(self.pooling_factor) and self.pooling_factor >= 0
         ):
             raise InputError(
                 f"{where}: pooling_factor must be a finite number >= 0, got {self.pooling_factor!r}"
             )
-        if self.bytes_per_element not in (1, 2, 4, 8):
+        if self.pooling_factor > MAX_POOLING_FACTOR:
+            raise InputError(f"{where}: pooling_factor must be at most {MAX_POOLING_FACTOR:g}, got {self.pooling_factor!r}")
+        if not _is_int(self.bytes_per_element) or self.bytes_per_element not in (1, 2, 4, 8):
             raise InputError(
                 f"{where}: bytes_per_element must be 1, 2, 4 or 8, got {self.bytes_per_element!r}"
             )
-        if self.kind not in TABLE_KINDS:
+        if not isinstance(self.kind, str) or self.kind not in TABLE_KINDS:
             raise InputError(f"{where}: kind must be one of {', '.join(TABLE_KINDS)}, got {self.kind!r}")
         if self.reuse_histogram is not None:
+            if not _iterable(self.reuse_histogram) or not all(_is_number(x) for x in self.reuse_histogram):
+                raise InputError(f"{where}: reuse_histogram must be {NUM_REUSE_BINS} non-negative floats")
             hist = tuple(float(x) for x in self.reuse_histogram)
             if len(hist) != NUM_REUSE_BINS or any(not math.isfinite(x) or x < 0 for x in hist):
                 raise InputError(
@@ -133,14 +146,17 @@ class Table:
                 )
             object.__setattr__(self, "reuse_histogram", hist)
         object.__setattr__(self, "pooling_factor", float(self.pooling_factor))
-        if isinstance(self.num_poolings, bool) or not isinstance(self.num_poolings, (int, float)) or not (
-            math.isfinite(self.num_poolings) and self.num_poolings > 0
+        if not _is_number(self.num_poolings) or not (
+            math.isfinite(self.num_poolings) and 0 < self.num_poolings <= MAX_POOLING_FACTOR
         ):
             raise InputError(f"{where}: num_poolings must be a finite number > 0, got {self.num_poolings!r}")
         object.__setattr__(self, "num_poolings", float(self.num_poolings))
         if self.sharding_types is not None:
+            if not isinstance(self.sharding_types, str) and not _iterable(self.sharding_types):
+                raise InputError(f"{where}: sharding_types must be a non-empty list of {', '.join(SHARDING_TYPES)}; "
+                                 f"got {self.sharding_types!r}")
             types = (self.sharding_types,) if isinstance(self.sharding_types, str) else tuple(self.sharding_types)
-            unknown = [t for t in types if t not in SHARDING_TYPES]
+            unknown = [t for t in types if not isinstance(t, str) or t not in SHARDING_TYPES]
             if unknown or not types:
                 raise InputError(f"{where}: sharding_types must be a non-empty list of {', '.join(SHARDING_TYPES)}; "
                                  f"got {list(types)}")
@@ -216,6 +232,13 @@ class Table:
                 raise InputError(
                     f"table {d['name']!r}: trace must be {{'file': str, 'table_index': int}}"
                 )
+            index = trace["table_index"]
+            if isinstance(index, str) and index.isdigit():
+                index = int(index)
+            if (not isinstance(trace["file"], str) and not _is_int(trace["file"])) or str(trace["file"]) == "" \
+                    or not _is_int(index) or index < 0:
+                raise InputError(f"table {d['name']!r}: trace must be {{'file': str, 'table_index': int}}, "
+                                 f"got {trace!r}"[:300])
             trace = TraceRef(str(trace["file"]), int(trace["table_index"]))
         return cls(
             name=d["name"],
@@ -234,3 +257,11 @@ class Table:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _iterable(x: Any) -> bool:
+    return isinstance(x, (list, tuple))

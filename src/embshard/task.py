@@ -32,6 +32,11 @@ OUTPUT_BYTES_PER_ELEMENT = 4
 #: INTRA_NODE_BANDWIDTH = 600 and CROSS_NODE_BANDWIDTH = 12.5 (GiB/s, stored in bytes/ms as
 #: 600 * 1024**3 / 1000) in torchrec/distributed/planner/constants.py (torchrec 1.8.0), used per
 #: device ("1 NIC per GPU" in BasicCommsBandwidths.get_bw, torchrec/distributed/planner/types.py).
+#: the most a task may state (docs/contracts.md): beyond any machine, inside 64-bit sums
+MAX_DEVICES = 1 << 20
+MAX_DEVICE_MEMORY_BYTES = 1 << 50   # 1 PiB
+MAX_BATCH_SIZE = 1 << 31
+MAX_TABLE_MEMORY_BYTES = 1 << 56
 INTRA_HOST_GBPS = 600.0
 INTER_HOST_GBPS = 12.5
 #: Every key a task JSON object may hold (docs/contracts.md).
@@ -72,21 +77,28 @@ class Task:
 
     def __post_init__(self) -> None:
         where = f"task {self.name!r}"
-        if not _is_int(self.num_devices) or self.num_devices <= 0:
-            raise InputError(f"{where}: num_devices must be a positive integer, got {self.num_devices!r}")
-        if not _is_int(self.device_memory_bytes) or self.device_memory_bytes <= 0:
-            raise InputError(
-                f"{where}: device_memory_bytes must be a positive integer, got {self.device_memory_bytes!r}"
-            )
-        if not _is_int(self.batch_size) or self.batch_size <= 0:
-            raise InputError(f"{where}: batch_size must be a positive integer, got {self.batch_size!r}")
-        if self.optimizer not in OPTIMIZER_STATE_BYTES_PER_ROW:
+        for key, most, words in (("num_devices", MAX_DEVICES, "2**20"),
+                                 ("device_memory_bytes", MAX_DEVICE_MEMORY_BYTES, "2**50 (1 PiB)"),
+                                 ("batch_size", MAX_BATCH_SIZE, "2**31")):
+            v = getattr(self, key)
+            if not _is_int(v) or v <= 0:
+                raise InputError(f"{where}: {key} must be a positive integer, got {v!r}")
+            if v > most:
+                raise InputError(f"{where}: {key} must be at most {words}, got {v!r}")
+        if not isinstance(self.optimizer, str) or self.optimizer not in OPTIMIZER_STATE_BYTES_PER_ROW:
             raise InputError(
                 f"{where}: optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES_PER_ROW)}, got {self.optimizer!r}"
             )
         if not self.tables:
             raise InputError(f"{where}: has no tables")
         object.__setattr__(self, "tables", tuple(self.tables))
+        for t in self.tables:
+            if not isinstance(t, Table):
+                raise InputError(f"{where}: tables must be Table objects, got {type(t).__name__}")
+            need = self.table_memory_bytes(t)
+            if need > MAX_TABLE_MEMORY_BYTES:
+                raise InputError(f"{where}: table {t.name!r} needs {need} bytes in training, more than any plan here "
+                                 f"handles (2**56); check its rows, dim and pooling_factor and the batch_size")
         names = [t.name for t in self.tables]
         dupes = sorted(n for n, c in Counter(names).items() if c > 1)
         if dupes:
@@ -94,7 +106,7 @@ class Task:
         if self.devices_per_host is None:
             object.__setattr__(self, "devices_per_host", self.num_devices)
         elif not _is_int(self.devices_per_host) or self.devices_per_host <= 0:
-            raise InputError(f"{where}: devices_per_host must be a positive integer")
+            raise InputError(f"{where}: devices_per_host must be a positive integer, got {self.devices_per_host!r}")
         self._check_topology(where)
 
     def _check_topology(self, where: str) -> None:
@@ -185,6 +197,8 @@ class Task:
             raise InputError(f"{source}: missing field(s) {sorted(missing)}")
         if not isinstance(d["tables"], list):
             raise InputError(f"{source}: 'tables' must be a list")
+        if not isinstance(d["name"], (str, int)) or isinstance(d["name"], bool) or str(d["name"]) == "":
+            raise InputError(f"{source}: 'name' must be a non-empty string, got {d['name']!r}")
         return cls(
             name=str(d["name"]),
             num_devices=d["num_devices"],

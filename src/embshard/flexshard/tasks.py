@@ -16,7 +16,7 @@ from embshard.data.synthetic import DEFAULT_PARAMS, DEFAULT_Q, generate_syntheti
 from embshard.errors import InputError
 from embshard.io import atomic_path
 from embshard.tables import Table, TraceRef, _is_int
-from embshard.task import Task
+from embshard.task import MAX_DEVICE_MEMORY_BYTES, Task
 
 
 def sequence_trace(path: str | os.PathLike, num_tables: int, samples: int, mean_length: float,
@@ -59,7 +59,7 @@ def capped_task(name: str, tables: tuple[Table, ...], hosts: int, devices_per_ho
     """The task whose memory per device is `memory_factor` x what row_wise needs on its fullest device."""
     from embshard.flexshard.baselines import RowWiseSharder
 
-    probe = Task(name, hosts * devices_per_host, 1 << 62, batch_size, tables, optimizer, devices_per_host, hosts)
+    probe = Task(name, hosts * devices_per_host, MAX_DEVICE_MEMORY_BYTES, batch_size, tables, optimizer, devices_per_host, hosts)
     need = max(RowWiseSharder().shard(probe).memory_bytes(probe))
     return Task(name, probe.num_devices, math.ceil(memory_factor * need), batch_size, tables, optimizer,
                 devices_per_host, hosts)
