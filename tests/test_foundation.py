@@ -327,6 +327,8 @@ def test_shard_json():
      "shard of table 'a': rows must be an integer, got '1'"),
     ({"table": "a", "device": 0, "col_offset": 0, "dim": 4, "row_offset": 0, "rows": 1, "replica": True},
      "shard of table 'a': replica must be an integer, got True"),
+    ({"table": ["a"], "device": 0, "col_offset": 0, "dim": 4, "row_offset": 0, "rows": 1},  # was a TypeError in validate
+     "a shard's table must be a table name (a string), got ['a']"),
 ])
 def test_bad_shard_json(d, message):
     with raises(InputError, message):

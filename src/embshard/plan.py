@@ -81,6 +81,8 @@ class Shard:
         missing = [f for f in fields if f not in d]
         if missing:
             raise InputError(f"shard of table {d.get('table')!r}: missing field(s) {missing}")
+        if not isinstance(d["table"], str):
+            raise InputError(f"a shard's table must be a table name (a string), got {d['table']!r}")
         for f in fields[1:] + (("replica",) if "replica" in d else ()):
             if not _is_int(d[f]):
                 raise InputError(f"shard of table {d['table']!r}: {f} must be an integer, got {d[f]!r}")
