@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-e2e venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-broad rl-wide rl-more rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval rl-test-eval scale-bench checkpoint-compare
+.PHONY: demo test test-e2e venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-broad rl-wide rl-more rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval rl-test-eval scale-bench checkpoint-compare fuzz
 
 venv: $(STAMP)
 
@@ -368,6 +368,14 @@ RL_TEST_ALGOS := [random,round_robin,size_greedy,dim_greedy,lookup_greedy,size_l
 rl-test-eval: $(STAMP)
 	$(MAKE) portfolio-eval PE=$(RL_TEST)/fresh PE_TASKS=18 PE_FIRST=6 PE_ALGOS='$(RL_TEST_ALGOS)'
 	$(MAKE) portfolio-eval PE=$(RL_TEST)/seen PE_TASKS=6 PE_FIRST=0 PE_ALGOS='$(RL_TEST_ALGOS)' PE_MORE=$(RL_TEST)/fresh/runs
+
+# User-style fuzzing of the planners (docs/development.md, "Fuzzing the planners"): random tasks users
+# might bring, every planner on each; prints each defect (crash, multi-line error, timeout, invalid plan,
+# absurd estimate) and exits 1 on one. About 15 minutes here; FUZZ_TASKS / FUZZ_SEED for more.
+FUZZ_SEED ?= 1
+FUZZ_TASKS ?= 30
+fuzz: $(STAMP)
+	$(PY) scripts/fuzz_planners.py run --seed $(FUZZ_SEED) --tasks $(FUZZ_TASKS) --out experiments/fuzz/seed$(FUZZ_SEED).jsonl
 
 # Planning time and estimates at scale (docs/portfolio.md, "Scale"): every planner at 856 x 128 and
 # 5,384 x 1,024, then the portfolio on that 5,384-table task (its search_seconds in

@@ -435,6 +435,31 @@ def test_search_object_reports_infeasible_only_after_trying_splits():
     assert len(set(best.devices)) == 2
 
 
+def test_tables_too_large_for_a_device_are_cut_before_the_first_greedy_run(monkeypatch):
+    """A table whose whole piece exceeds a device's memory is cut before the greedy runs, the
+    way the rescue would cut it one greedy run per cut (a user-style task of 852 tables, many
+    too large, planned for minutes): column halves until they fit, or, where its constraints
+    allow no column pieces, row blocks over all devices. The same state and plan as the rescue
+    alone, in fewer greedy runs; tables that fit stay whole."""
+    tables = ([Table(f"wide{i}", 1_000_000, 32, 1.0 + i) for i in range(2)]
+              + [Table("rows", 2_000_000, 16, 3.0, sharding_types=["row_wise", "table_wise"])]
+              + [Table(f"t{i}", 20_000, 16, 2.0) for i in range(12)])
+    task = make_task(tables, 4, memory=120_000_000)  # a wide table or `rows` needs 1.1x that
+    def run(presplit: bool):
+        search = NeuroShardSearch(task, Simulator(AnalyticPredictor(batch_size=BATCH)), beam_steps=0)
+        if not presplit:
+            monkeypatch.setattr(search, "presplit", lambda state: (state, 0))
+        state, best = search.run()
+        return state, best, search
+    state, best, s = run(True)
+    state0, best0, s0 = run(False)
+    assert state == state0 and best.devices == best0.devices and best.cost_ms == best0.cost_ms
+    assert s.presplit_tables == 3 and s.greedy_runs == 1 and s0.greedy_runs > 3
+    widths = {sp[2] for sp in state if sp[0].startswith("wide")}
+    assert widths == {16} and [sp for sp in state if sp[0] == "rows"] == [("rows", 0, 16, d, 4) for d in range(4)]
+    assert all((f"t{i}", 0, 16, -1, 0) in state for i in range(12))
+
+
 def test_costs_are_scaled_from_the_predictor_batch_to_the_task_batch():
     task = make_task([Table("a", 1000, 8, 1.0), Table("b", 1000, 16, 2.0)], 2)
     half = AnalyticPredictor(batch_size=BATCH // 2)  # a model trained at half the task's batch

@@ -56,7 +56,7 @@ from embshard.costs.predictor import (BUILD_COMMAND, DEFAULT_CHECKPOINT, ROOT, F
                                       PredictorFamily, ShardPredictor, batch_ratio, load_models, resolve_path,
                                       supports_incremental)
 from embshard.errors import InfeasibleError, InputError
-from embshard.plan import Plan, validate
+from embshard.plan import Plan, even_row_layout, validate
 from embshard.search.base import Capabilities
 from embshard.search.greedy import (DEFAULT_CAPS, GRID_MAX_WORK, INCREMENTAL_MIN_DEVICES, MAX_CANDIDATE_DEVICES,
                                     Candidate, GreedyPartitioner, GreedyResult)
@@ -112,6 +112,7 @@ class NeuroShardSearch:
         self.beam_max_work = beam_max_work
         self.beam_max_pieces = beam_max_pieces
         self.beam_ran = False
+        self.presplit_tables = 0  # tables `run` cut before its first greedy run (`presplit`)
         d, per_host = task.num_devices, task.devices_per_host or task.num_devices
         self.row_groups: list[tuple[int, ...]] = (
             [tuple(range(d))] if per_host >= d else
@@ -169,6 +170,34 @@ class NeuroShardSearch:
 
     def initial_state(self) -> tuple[PieceSpec, ...]:
         return initial_state(self.task)
+
+    def presplit(self, state: tuple[PieceSpec, ...]) -> tuple[tuple[PieceSpec, ...], int]:
+        """(`state` with every whole table too large for one device's memory cut the way
+        `rescue` cuts it, how many tables were cut): halved into equal column pieces until they
+        fit, or, where the narrowest pieces its constraints allow still do not, split by rows
+        over the largest device group whose blocks fit. `rescue` reaches the same shapes one
+        greedy run per cut (minutes for hundreds of such tables); a table that fits whole, and
+        every task whose tables all fit, is left as it is."""
+        mem = self.task.device_memory_bytes
+        need = lambda t, rows, dim: self.task.shard_memory_bytes(t, rows, dim)  # noqa: E731
+        out, cut = list(state), 0
+        for spec in state:
+            name, off, dim, dev, _ = spec
+            t = self.book.table(name)
+            if dev != FREE or off != 0 or dim != t.dim or need(t, t.rows, dim) <= mem:
+                continue
+            pieces = [spec]
+            while need(t, t.rows, pieces[0][2]) > mem and self.may_halve(pieces[0]):
+                pieces = [h for p in pieces for h in halve((p,), p)]
+            if need(t, t.rows, pieces[0][2]) > mem:  # rows, as rescue does once no piece can be halved
+                groups = sorted(self.row_groups_for(t), key=len, reverse=True)
+                if not groups or need(t, even_row_layout(t.rows, len(groups[0]))[0][1], dim) > mem:
+                    continue  # rescue says what does not fit
+                pieces = [s for s in row_split((spec,), spec, groups[0])]
+            out.remove(spec)
+            out += pieces
+            cut += 1
+        return tuple(sorted(out)), cut
 
     def rescue(self, state: tuple[PieceSpec, ...]) -> tuple[tuple[PieceSpec, ...], GreedyResult]:
         """The greedy on `state`; while a table does not fit, halve its largest piece, and
@@ -229,7 +258,8 @@ class NeuroShardSearch:
         """Greedy grid on the unsplit tables, then the beam: every move is screened by one
         greedy run at its parent's best cap, and the `beam_width` best are scored over the
         full grid of caps (and become the next beam)."""
-        state, best = self.rescue(self.initial_state())
+        state, self.presplit_tables = self.presplit(self.initial_state())
+        state, best = self.rescue(state)
         best_state = state
         if not self.beam_allowed(state):
             return best_state, best

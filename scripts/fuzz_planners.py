@@ -1,0 +1,207 @@
+"""User-style fuzzing of the planners (a robustness check, not a test): random tasks of the kind
+users bring, every planner on each, and anything that is not a valid plan or a one-line error
+is reported.
+
+Example:
+    .venv/bin/python scripts/fuzz_planners.py run --seed 1 --tasks 30            # make fuzz
+    .venv/bin/python scripts/fuzz_planners.py run --seed 2 --tasks 200 --algorithms neuroshard,portfolio
+    .venv/bin/python scripts/fuzz_planners.py task --seed 2 --index 143 --out task.json  # one task again
+
+A task: 1-1,500 tables (log-uniform rows 1..2e8, dims 4-1,024, pooling 0.01-500, fp16, several
+bags, Pareto-tailed reuse histograms or none, sharding-type constraints, min_partition, sequence
+tables in some tasks) on 1-128 devices (hosts in some), batch 1-262,144, any optimizer, memory
+per device from 0.9x an even share (no plan can exist) to 20x. `task --seed S --index I` writes
+the I-th task of seed S, the same every time.
+
+`run` plans each task with every `--algorithms` (`embshard.plan`, validated), with a time limit
+per plan, and writes one JSON line per (task, algorithm) to `--out`: `kind` is `ok` (a valid
+plan), `refused` (a one-line EmbshardError: no plan fits, a constraint it cannot honour, a table
+kind it does not plan), or a defect: `CRASH` (any other exception, with its traceback),
+`MULTILINE` (an error of more than one line), `TIMEOUT` (over `--timeout` seconds), `INVALID`
+(a plan the validator refuses), `ESTIMATE` (the shipped cost models' estimate of an ok plan not
+finite and positive). `--slow` marks ok plans slower than that. Prints the defects and a count
+per kind; exit status 1 when there is a defect. Failing tasks are written beside `--out`
+(`<out>.tasks/<task>.json`) to reproduce them with shard.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import signal
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+DEFECTS = ("CRASH", "MULTILINE", "TIMEOUT", "INVALID", "ESTIMATE")
+SHARDING = ["data_parallel", "table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise"]
+
+
+def draw_task(rng: random.Random, name: str) -> dict[str, Any]:
+    """One user-style task JSON (module docstring); `rng` is consumed in a fixed order."""
+    import numpy as np
+
+    from embshard.task import Task
+
+    d = rng.choice([1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 64, 128])
+    nt = int(rng.choice([1, 2, 3, rng.randint(4, 30), rng.randint(30, 200), rng.randint(200, 1500)]))
+    batch = int(rng.choice([1, 7, 512, 2048, 4096, 8192, 16384, 65536, 131072, 262144]))
+    opt = rng.choice(["sgd", "rowwise_adagrad", "adagrad", "adam"])
+    tables = []
+    seq = rng.random() < 0.15
+    for k in range(nt):
+        rows = int(math.exp(rng.uniform(0, math.log(2e8))))
+        dim = 4 * int(rng.choice([1, 2, 4, 8, 16, 32, 64, 3, 5, 24, 100, 256]))
+        pf = float(rng.choice([1.0, round(math.exp(rng.uniform(math.log(0.01), math.log(500))), 3)]))
+        t: dict[str, Any] = {"name": f"t{k}", "rows": rows, "dim": dim, "pooling_factor": pf}
+        if rng.random() < 0.1:
+            t["bytes_per_element"] = 2
+        if rng.random() < 0.1:
+            t["num_poolings"] = float(rng.choice([2.0, 3.0]))
+        if rng.random() < 0.25:
+            h = np.array([rng.paretovariate(1.0) for _ in range(17)])
+            h /= h.sum()
+            h = [round(x, 6) for x in h]
+            h[0] = round(1 - sum(h[1:]), 6)
+            if h[0] >= 0:
+                t["reuse_histogram"] = h
+        if rng.random() < 0.1:
+            t["sharding_types"] = rng.sample(SHARDING, rng.randint(1, 3))
+        if rng.random() < 0.05:
+            t["min_partition"] = int(rng.choice([4, 8, 16, 32]))
+        if seq and rng.random() < 0.5:
+            t["kind"] = "sequence"
+        tables.append(t)
+    task: dict[str, Any] = {"name": name, "num_devices": d, "batch_size": batch, "optimizer": opt, "tables": tables}
+    probe = Task.from_dict(task | {"device_memory_bytes": 1 << 50})
+    need = sum(probe.table_memory_bytes(t) for t in probe.tables)
+    big = max(probe.table_memory_bytes(t) for t in probe.tables)
+    slack = rng.choice([0.9, 1.02, 1.1, 1.5, 3.0, 20.0])
+    task["device_memory_bytes"] = min(1 << 50, int(max(need / d * slack, big * rng.choice([0.5, 1.01, 1.2]))))
+    if rng.random() < 0.2 and d % 2 == 0 and d > 2:
+        task["devices_per_host"] = d // 2
+    return task
+
+
+def tasks(seed: int, count: int):
+    """The first `count` tasks of `seed`, as (index, task JSON)."""
+    rng = random.Random(seed)
+    for i in range(count):
+        yield i, draw_task(rng, f"fz{seed}-{i}")
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(*_: Any) -> None:
+    raise _Timeout()
+
+
+def plan_one(task, algorithm: str, timeout_s: int, model) -> dict[str, Any]:
+    """Plan `task` with `algorithm`: the record `run` writes (module docstring)."""
+    import numpy as np
+
+    import embshard
+    from embshard.errors import EmbshardError, PlanError
+    from embshard.plan import validate
+
+    rec: dict[str, Any] = {"algorithm": algorithm}
+    t0 = time.perf_counter()
+    signal.alarm(timeout_s)
+    try:
+        plan = embshard.plan(task, algorithm=algorithm)
+        signal.alarm(0)
+        rec["seconds"] = round(time.perf_counter() - t0, 2)
+        try:
+            validate(task, plan)
+        except PlanError as e:
+            return rec | {"kind": "INVALID", "message": str(e)[:300]}
+        est = float(model.device_costs(task, plan).plan_cost_ms)
+        rec["estimate_ms"] = round(est, 3)
+        rec["kind"] = "ok" if np.isfinite(est) and est > 0 else "ESTIMATE"
+    except _Timeout:
+        rec |= {"kind": "TIMEOUT", "seconds": timeout_s}
+    except EmbshardError as e:
+        signal.alarm(0)
+        m = str(e)
+        rec |= {"kind": "refused" if "\n" not in m.strip() else "MULTILINE", "message": m[:300]}
+    except Exception as e:  # noqa: BLE001 - what the fuzzer is looking for
+        signal.alarm(0)
+        rec |= {"kind": "CRASH", "message": repr(e)[:300], "traceback": traceback.format_exc()[-3000:]}
+    return rec
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import warnings
+
+    from embshard.costs.predictor import load_models
+    from embshard.task import Task
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    signal.signal(signal.SIGALRM, _alarm)
+    model = load_models(str(ROOT / "checkpoints" / "cpu_fbgemm" / "cost_models.pt"), "fuzz").neural
+    algorithms = [a for a in args.algorithms.split(",") if a]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    keep = Path(f"{out}.tasks")
+    counts: Counter[str] = Counter()
+    defects = 0
+    with out.open("w") as f:
+        for i, td in tasks(args.seed, args.tasks):
+            task = Task.from_dict(td)
+            desc = f"{len(task.tables)} tables x {task.num_devices} devices, batch {task.batch_size}, {task.optimizer}"
+            for algorithm in algorithms:
+                rec = {"task": td["name"], "index": i, "desc": desc} | plan_one(task, algorithm, args.timeout, model)
+                if rec["kind"] == "ok" and rec["seconds"] > args.slow:
+                    rec["kind"] = "slow"
+                counts[rec["kind"]] += 1
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                if rec["kind"] in DEFECTS or rec["kind"] == "slow":
+                    keep.mkdir(exist_ok=True)
+                    (keep / f"{td['name']}.json").write_text(json.dumps(td))
+                    print(f"{rec['kind']:9s} {td['name']} ({desc}) {algorithm}: "
+                          f"{rec.get('message', '')[:200] or str(rec.get('seconds')) + ' s'}", flush=True)
+                defects += rec["kind"] in DEFECTS
+    print(f"{args.tasks} tasks x {len(algorithms)} algorithms: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f"; records in {out}")
+    return 1 if defects else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="plan fuzzed tasks with every algorithm; report defects")
+    r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--tasks", type=int, default=30)
+    r.add_argument("--algorithms", default="neuroshard,dreamshard,autoshard,portfolio,size_lookup_greedy,lookup_greedy")
+    r.add_argument("--timeout", type=int, default=120, help="seconds per plan before it counts as TIMEOUT")
+    r.add_argument("--slow", type=float, default=10.0, help="seconds above which an ok plan is reported as slow")
+    r.add_argument("--out", default="experiments/fuzz/results.jsonl")
+    t = sub.add_parser("task", help="write one fuzzed task JSON")
+    t.add_argument("--seed", type=int, required=True)
+    t.add_argument("--index", type=int, required=True)
+    t.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.cmd == "task":
+        for i, td in tasks(args.seed, args.index + 1):
+            if i == args.index:
+                Path(args.out).write_text(json.dumps(td, indent=1))
+                print(f"wrote {args.out}: {len(td['tables'])} tables x {td['num_devices']} devices")
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
