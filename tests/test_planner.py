@@ -351,6 +351,28 @@ def test_kernel_measurement_refuses_data_parallel_tables_it_cannot_time():
     assert "\n" not in str(e.value)
 
 
+def test_table_column_wise_on_several_hosts_keeps_a_tables_slices_on_one_host():
+    """TorchRec runs table_column_wise on one host of a multi-host job; a table allowed only
+    that was refused here ("table_column_wise only on one host"). Its column slices are now
+    fixed on the devices of one host, and the layout TorchRec gets is table_column_wise."""
+    from embshard.layouts import choose_layout
+
+    task = Task("tcw", 4, GiB, 4096, (Table("a", 10_000, 512, 2.0, sharding_types=["table_column_wise"]),
+                                      Table("b", 5_000, 64, 1.0, sharding_types=["table_column_wise"]),
+                                      Table("c", 100, 16, 1.0)), devices_per_host=2)
+    for algorithm in ("size_lookup_greedy", "neuroshard"):
+        plan = embshard.plan(task, algorithm=algorithm)
+        for name in ("a", "b"):
+            shards = [s for s in plan.shards if s.table == name]
+            assert len({s.device // 2 for s in shards}) == 1  # one host
+            assert choose_layout(task.table_by_name[name], shards, 4, 2)[0] == "table_column_wise"
+        assert sorted((s.col_offset, s.dim) for s in plan.shards if s.table == "a") == [(0, 256), (256, 256)]
+        assert {s.device // 2 for s in plan.shards if s.table == "a"} != {s.device // 2 for s in plan.shards if s.table == "b"}
+    with pytest.raises(InputError, match=r"table 'g': sharding_types \['grid_shard'\] cannot be honoured here"):
+        embshard.plan(Task("g", 4, GiB, 64, (Table("g", 100, 8, 1.0, sharding_types=["grid_shard"]),), devices_per_host=2),
+                      algorithm="size_lookup_greedy")
+
+
 def test_one_rank_plans_honour_row_wise_and_data_parallel_constraints():
     """On one rank TorchRec's row-wise layout is the whole table on rank 0 and data-parallel is
     the table once: a single shard is each of them (a user's constraints from a bigger cluster

@@ -15,14 +15,16 @@ every algorithm (`shard_constrained`):
 * else table_row_wise: TorchRec's row blocks over the devices of one host, the host with the
   least fixed memory so far;
 * else data_parallel: the whole table on every device (replicas), each copy looking up its own
-  share of the batch.
+  share of the batch;
+* else table_column_wise over several hosts: TorchRec's column slices, fixed in contiguous runs
+  on the devices of the host with the least fixed memory so far.
 
 The search then plans the other tables with each device's memory reduced by the most any
 device holds of the fixed pieces (a device holding less keeps the difference unused: a
 plan never exceeds memory), and the fixed pieces join its plan. A table allowed only
-grid_shard, or only table_column_wise over several hosts, is a one-line InputError: nothing
-here can honour it. The search never sees the fixed tables, so its costs leave them out (they
-weigh alike on every device for row_wise and data_parallel).
+grid_shard is a one-line InputError: nothing here can honour it. The search never sees the
+fixed tables, so its costs leave them out (they weigh alike on every device for row_wise and
+data_parallel).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def column_slice_width(table: Table) -> int:
 
 def fixed_kind(table: Table, hosts: int) -> str | None:
     """How `shard_constrained` shapes a table before the search: "column", "row_wise",
-    "table_row_wise", "data_parallel", or None (the search honours its constraints itself).
+    "table_row_wise", "data_parallel", "table_column" (several hosts), or None (the search honours
+    its constraints itself).
 
     Raises:
         InputError: no shape here honours the table's sharding types (names the table).
@@ -68,10 +71,12 @@ def fixed_kind(table: Table, hosts: int) -> str | None:
     for kind in ("row_wise", "table_row_wise", "data_parallel"):
         if table.allows(kind):
             return kind
+    if table.allows("table_column_wise"):  # several hosts: the slices fixed on one host's devices
+        return "table_column"
     raise InputError(
         f"table {table.name!r}: sharding_types {list(table.sharding_types or ())} cannot be honoured here "
-        f"(embshard plans grid_shard only as NeuroShard's own split, and table_column_wise only on one host); "
-        "allow table_wise, column_wise, row_wise, table_row_wise or data_parallel"
+        f"(embshard plans grid_shard only as NeuroShard's own split); "
+        "allow table_wise, column_wise, table_column_wise, row_wise, table_row_wise or data_parallel"
     )
 
 
@@ -116,6 +121,22 @@ def reduce_task(task: Task) -> Reduction:
                 slices[name] = (t.name, off)
                 kept.append(dataclasses.replace(t, name=name, dim=width, sharding_types=("table_wise",),
                                                 min_partition=None))
+        elif kind == "table_column":
+            # TorchRec's slices, in contiguous runs over the devices of the host with the least
+            # fixed memory so far, least-loaded device first (one piece per device)
+            width = column_slice_width(t)
+            offs = list(range(0, t.dim, width))
+            host = min(hosts, key=lambda h: (max(load[x] for x in h), h))
+            devs = sorted(host, key=lambda x: (load[x], x))[:len(offs)]
+            per, extra = divmod(len(offs), len(devs))
+            start = 0
+            for k, dev in enumerate(devs):
+                n = per + (k < extra)
+                piece = Shard(t.name, dev, offs[start], n * width, 0, t.rows)
+                load[dev] += task.shard_memory_bytes(t, t.rows, piece.dim)
+                fixed.append(piece)
+                start += n
+            fixed_tables.append(t.name)
         else:
             if kind == "data_parallel":
                 pieces = [Shard(t.name, dev, 0, t.dim, 0, t.rows, replica=dev) for dev in range(d)]
