@@ -190,6 +190,47 @@ def test_fbgemm_cpu_kernels_refuse_adam_in_one_line_before_measuring(capsys, tmp
         make_kernel("fbgemm", shards, 64, optimizer=optimizer)
 
 
+def test_measuring_refuses_in_one_line_what_this_machine_cannot_allocate(monkeypatch, capsys, tmp_path):
+    """Before: FBGEMM's RuntimeError traceback ("can't allocate memory: you tried to allocate
+    73499892800 bytes") after the planners had run, for a user's task of real-size tables."""
+    import shard
+    from hydra import compose, initialize_config_dir
+
+    from embshard.cli import one_line_errors
+    from embshard.hardware import evaluator as ev
+    from embshard.plan import Plan, Shard
+
+    task = Task("big", 2, 1 << 30, 64, (Table("a", 100_000, 64, 1.0), Table("b", 100, 8, 1.0)))
+    a = task.table_memory_bytes(task.tables[0])  # 25.6 MB of weights, 32 KB of outputs and gradients
+    share = -(-(a + task.table_memory_bytes(task.tables[1])) // 2)
+    monkeypatch.setattr(ev, "memory_free_bytes", lambda device: share - 1)
+    with pytest.raises(InputError, match=rf"^measuring task 'big' allocates at least {share} bytes for one device "
+                                         rf"\(its tables' training memory over 2 devices\) and this machine has {share - 1} "
+                                         r"bytes free on cpu: plan it without measuring \(evaluate=estimated\)"):
+        ev.HardwareEvaluator(comm_backend=None).check_task(task)
+    task.save(tmp_path / "task.json")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="shard", overrides=[f"task_file={tmp_path / 'task.json'}", f"out_dir={tmp_path / 'out'}",
+                                                      "algorithm=size_greedy", "evaluate=measured", "measure=quick",
+                                                      "progress=false"])
+    with pytest.raises(SystemExit) as e:
+        one_line_errors(shard.run, cfg)
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: measuring task 'big' allocates at least")
+    assert not (tmp_path / "out").exists()
+    # the even share fits, the plan's fuller device does not: refused before anything is measured
+    monkeypatch.setattr(ev, "memory_free_bytes", lambda device: a - 1)
+    hw = ev.HardwareEvaluator(comm_backend=None)
+    hw.check_task(task)
+    plan = Plan("big", "mine", [Shard("a", 0, 0, 64, 0, 100_000), Shard("b", 1, 0, 8, 0, 100)])
+    monkeypatch.setattr(ev, "measure_compute", lambda *a, **k: pytest.fail("measured"))
+    with pytest.raises(InputError, match=rf"^plan 'mine' of task 'big' puts {a} bytes on device 0 and this machine "
+                                         rf"has {a - 1} bytes free on cpu to measure it"):
+        hw.measure_many(task, [plan])
+    monkeypatch.setattr(ev, "memory_free_bytes", lambda device: None)  # unreadable: no check
+    hw.check_task(task)
+    hw.check_fits(task, [plan])
+
+
 @pytest.mark.parametrize("over, message", [
     ({"backend": "torch", "optimizer": "adam"}, "torch backend times an SGD update only"),
     ({"backend": "fbgemm", "optimizer": "adam"}, "CPU kernel has no fused 'adam' update"),

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 from typing import TYPE_CHECKING, Sequence
+
+import torch
 
 from embshard.costs.base import DeviceCosts
 from embshard.errors import InputError
@@ -131,6 +134,33 @@ class HardwareEvaluator:
             check_torch_optimizer(task.optimizer, task.name)
         if self.backend == "fbgemm" or self.step == "dmp":  # TorchRec's CPU tables are FBGEMM's kernel too
             check_fbgemm_optimizer(task.optimizer, self.device, task.name)
+        free = memory_free_bytes(self.device)
+        # every plan puts at least an even share of the tables' training memory on some device
+        share = -(-sum(task.table_memory_bytes(t) for t in task.tables) // task.num_devices)
+        if free is not None and share > free:
+            raise InputError(
+                f"measuring task {task.name!r} allocates at least {share} bytes for one device (its tables' training "
+                f"memory over {task.num_devices} devices) and this machine has {free} bytes free on {self.device}: "
+                "plan it without measuring (evaluate=estimated), or measure a task of smaller tables")
+
+    def check_fits(self, task: Task, plans: Sequence[Plan]) -> None:
+        """Raise InputError, before anything is measured, when one device of a plan needs more
+        memory than this machine has free (its kernel would fail to allocate mid-run)."""
+        free = memory_free_bytes(self.device)
+        if free is None:
+            return
+        tables = task.table_by_name
+        for plan in plans:
+            need = [0] * task.num_devices
+            for s in plan.shards:  # what the validator refuses (an unknown table, device), it says later
+                if s.table in tables and 0 <= s.device < task.num_devices and s.rows > 0 and s.dim > 0:
+                    need[s.device] += task.shard_memory_bytes(tables[s.table], s.rows, s.dim)
+            worst = max(range(task.num_devices), key=need.__getitem__)
+            if need[worst] > free:
+                raise InputError(
+                    f"plan {plan.algorithm!r} of task {task.name!r} puts {need[worst]} bytes on device {worst} and this "
+                    f"machine has {free} bytes free on {self.device} to measure it: plan it without measuring "
+                    "(evaluate=estimated), or measure a task of smaller tables")
 
     # ------------------------------------------------------------------ CostModel
     def device_costs(self, task: Task, plan: Plan) -> DeviceCosts:
@@ -145,6 +175,7 @@ class HardwareEvaluator:
         if not plans:
             return []
         protocol = self.protocol if visits is None else self.protocol.replace(visits=int(visits))
+        self.check_fits(task, plans)
         if self.step == "dmp":
             return self._measure_dmp(task, plans, protocol)
         d = task.num_devices
@@ -271,3 +302,21 @@ def _costs(compute: Sequence[Timing], comm: CommResult) -> DeviceCosts:
         plan_cost_spread_ms=spread,
         plan_cost_samples_ms=[float(x) for x in per_rep],
     )
+
+
+def memory_free_bytes(device: str | torch.device) -> int | None:
+    """Bytes a measurement can still allocate on `device`: the host's MemAvailable for cpu, the
+    GPU's free memory for cuda; None when it cannot be read."""
+    dev = torch.device(device)
+    try:
+        if dev.type == "cuda":
+            return int(torch.cuda.mem_get_info(dev)[0])
+        if dev.type == "cpu":
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, RuntimeError, AttributeError):
+        return None
+    return None
