@@ -193,7 +193,11 @@ class NeuroShardSearch:
                 groups = sorted(self.row_groups_for(t), key=len, reverse=True)
                 if not groups or need(t, even_row_layout(t.rows, len(groups[0]))[0][1], dim) > mem:
                     continue  # rescue says what does not fit
-                pieces = [s for s in row_split((spec,), spec, groups[0])]
+                pieces = list(row_split((spec,), spec, groups[0]))
+                log.debug("neuroshard: %s does not fit in column pieces; splitting it by rows over %s", name, groups[0])
+            else:
+                log.debug("neuroshard: %s does not fit whole; halving piece %s into %d column pieces", name, spec,
+                          len(pieces))
             out.remove(spec)
             out += pieces
             cut += 1
