@@ -233,7 +233,8 @@ def test_sequence_algorithms_refuse_a_pooled_task(capsys, tmp_path):
     assert code == 0, err
     by = {r["algorithm"]: r for r in report(out)["results"]}
     for name in SEQUENCE_ALGORITHMS:
-        assert by[name]["error"] == f"refused: {name} is meant for sequence tables; task 'mine' has only pooled tables"
+        assert by[name]["error"] == (f"refused: {name} is meant for sequence tables; task 'mine' has only pooled tables "
+                                     "(neuroshard, portfolio and the table-wise heuristics plan pooled tables)")
         assert by[name]["search_seconds"] is None and f"INVALID  refused: {name}" in row(stdout, name)
     assert by["size_greedy"]["valid"]
     assert sorted(p.name for p in (out / "plans").iterdir()) == ["size_greedy.json"]

@@ -96,7 +96,9 @@ def refusal(name: str, capabilities: Capabilities, task: Task) -> str | None:
     kinds = sorted({t.kind for t in task.tables})
     meant = " or ".join(capabilities.table_kinds)
     if not set(kinds) & set(capabilities.table_kinds):
-        return f"{name} is meant for {meant} tables; task {task.name!r} has only {'/'.join(kinds)} tables"
+        hint = (" (flexshard, row_wise and size_lookup_greedy plan sequence tables)" if kinds == ["sequence"] else
+                " (neuroshard, portfolio and the table-wise heuristics plan pooled tables)" if kinds == ["pooled"] else "")
+        return f"{name} is meant for {meant} tables; task {task.name!r} has only {'/'.join(kinds)} tables{hint}"
     if "sequence" not in capabilities.table_kinds and "sequence" in kinds:
         seq = [t.name for t in task.tables if t.is_sequence]
         more = f" and {len(seq) - 3} more" if len(seq) > 3 else ""
