@@ -239,6 +239,25 @@ def test_ledger_lookahead_keeps_the_rest_packable_and_rescues_a_stranded_table()
         assert ledger.free == [0, 0]
 
 
+def test_greedy_lookahead_repacks_once_per_distinct_free_memory():
+    """65 pieces of 6 on 64 devices of 10: no packing, so `choose` looks for a device after
+    which the rest packs. Devices with the same free memory leave the same rooms, so one failed
+    repack stands for all of them: 1 repack, not 64 (a user-style task of 40 tables on 128
+    devices spent 75% of its 52 s there); then a device with other free memory is still tried
+    and taken when the rest packs after it."""
+    ahead = LookAhead(np.full(64, 10), [6] * 65, fit="worst")
+    assert not ahead.valid
+    assert ahead.choose(0, np.full(64, 10), list(range(64))) == 0 and ahead.repacks == 1 and not ahead.valid
+    # devices 0-61 hold 6 (free 4), 62 and 63 are empty: the pending 6s pack only after a 6 on 62 or 63
+    free = np.array([4] * 62 + [10, 10])
+    ahead = LookAhead(free, [6, 6], fit="worst")
+    ahead.valid = False
+    assert ahead.choose(0, free, [62, 63]) == 62 and ahead.valid and ahead.repacks == 1
+    ahead = LookAhead(np.array([10, 10, 10, 16]), [6, 6, 6, 6, 6, 6], fit="worst")
+    assert not ahead.valid  # 3 + 2 sixes fit, 6 do not: no device after which the rest packs
+    assert ahead.choose(0, np.array([10, 10, 10, 16]), [0, 1, 2, 3]) == 0 and ahead.repacks == 2
+
+
 def test_ledger_lookahead_agrees_with_first_fit_decreasing_from_scratch():
     """Random placements on random ledgers: whenever the ledger accepts a device it keeps the
     rest packable (checked by first-fit decreasing), and it accepts every device FFD accepts."""

@@ -177,6 +177,9 @@ class LookAhead:
 
         was_valid = self.valid
         self.forget(i)
+        # free bytes of the devices whose repack failed: a device with the same free bytes fails
+        # too (the pending pieces pack into the same multiset of rooms), so it is not repacked
+        failed: set[int] = set()
         if was_valid:
             first = room[0]
             if self.slack[first] >= need:
@@ -185,6 +188,7 @@ class LookAhead:
             self.repacks += 1
             if self._repack_after(free, first, need):
                 return first
+            failed.add(int(free[first]))
             for d in room[1:]:
                 if self.slack[d] >= need:
                     self.slack[d] -= need
@@ -198,10 +202,13 @@ class LookAhead:
         else:
             rest = all_room()
         for d in rest:
+            if int(free[d]) in failed:
+                continue
             self.repacks += 1
             if self._repack_after(free, d, need):
                 self.valid = True
                 return d
+            failed.add(int(free[d]))
         self.valid = False
         return room[0]
 
