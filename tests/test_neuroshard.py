@@ -246,6 +246,14 @@ def test_table_bigger_than_one_device_is_split_to_fit():
 def test_infeasible_task_names_the_table_and_the_shortfall():
     tables = [Table("a", 100_000, 64, 1.0), Table("b", 100_000, 64, 1.0)]
     task = make_task(tables, 2, memory=20_000_000)  # each needs 25.6 MB + I/O
+    # more than all devices hold: said before any greedy run (a fuzzed 1,339-table task tried
+    # every split for 124 s first); no split lowers a table's memory
+    search = NeuroShardSearch(task, Simulator(AnalyticPredictor(batch_size=BATCH)))
+    need = sum(task.table_memory_bytes(t) for t in tables)
+    with pytest.raises(InfeasibleError, match=rf"^table 'a' \(the largest\) and the others need {need} bytes in all "
+                                              rf"and 2 devices hold 40000000: short by {need - 40_000_000} bytes"):
+        search.run()
+    assert search.greedy_runs == 0
     with pytest.raises(InfeasibleError) as e:
         sharder().shard(task)
     assert e.value.table in ("a", "b") and e.value.shortfall_bytes > 0

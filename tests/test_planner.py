@@ -137,7 +137,7 @@ def test_a_table_that_fits_nowhere_names_it_and_the_shortfall():
             planner.plan(model, _sharders())
         assert "\n" not in str(e.value) and e.value.table == "huge"
     # a column-wise table is planned as column slices; the error names the table, not a slice
-    task = Task("cw", 1, 700_000, 4096, (Table("t0", 42091, 4, 1.0, sharding_types=["column_wise", "row_wise"]),))
+    task = Task("cw", 2, 700_000, 4096, (Table("t0", 42091, 4, 1.0, sharding_types=["column_wise", "row_wise"]),))
     for algorithm in ("size_lookup_greedy", "neuroshard", "dreamshard"):
         with pytest.raises(InfeasibleError, match=r"^table 't0' \(its column slice 0:4\) needs \d+ bytes .* short by") as e:
             embshard.plan(task, algorithm=algorithm)

@@ -262,6 +262,14 @@ class NeuroShardSearch:
         """Greedy grid on the unsplit tables, then the beam: every move is screened by one
         greedy run at its parent's best cap, and the `beam_width` best are scored over the
         full grid of caps (and become the next beam)."""
+        need = sum(self.task.table_memory_bytes(t) for t in self.task.tables)
+        room = self.task.num_devices * self.task.device_memory_bytes
+        if need > room:  # no split lowers a table's memory: say so now, not after every split was tried
+            big = max(self.task.tables, key=self.task.table_memory_bytes).name
+            raise InfeasibleError(
+                f"table {big!r} (the largest) and the others need {need} bytes in all and {self.task.num_devices} "
+                f"devices hold {room}: short by {need - room} bytes, so no plan fits however the tables are split; "
+                "add devices or memory per device", table=big, shortfall_bytes=need - room)
         state, self.presplit_tables = self.presplit(self.initial_state())
         state, best = self.rescue(state)
         best_state = state
