@@ -371,7 +371,7 @@ rl-test-eval: $(STAMP)
 
 # User-style fuzzing of the planners (docs/development.md, "Fuzzing the planners"): random tasks users
 # might bring, every planner on each; prints each defect (crash, multi-line error, timeout, invalid plan,
-# absurd estimate) and exits 1 on one. About 6 minutes here; FUZZ_TASKS / FUZZ_SEED for more.
+# absurd estimate) and exits 1 on one. About 2 minutes here (30 tasks); FUZZ_TASKS / FUZZ_SEED for more.
 FUZZ_SEED ?= 1
 FUZZ_TASKS ?= 30
 fuzz: $(STAMP)
