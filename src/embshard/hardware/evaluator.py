@@ -306,11 +306,12 @@ def _costs(compute: Sequence[Timing], comm: CommResult) -> DeviceCosts:
 
 def memory_free_bytes(device: str | torch.device) -> int | None:
     """Bytes a measurement can still allocate on `device`: the host's MemAvailable for cpu, the
-    GPU's free memory for cuda; None when it cannot be read."""
+    GPU's free memory for cuda once this process uses CUDA (never initialised here: measuring
+    processes forked later could not use it); None when it cannot be read."""
     dev = torch.device(device)
     try:
         if dev.type == "cuda":
-            return int(torch.cuda.mem_get_info(dev)[0])
+            return int(torch.cuda.mem_get_info(dev)[0]) if torch.cuda.is_initialized() else None
         if dev.type == "cpu":
             with open("/proc/meminfo") as f:
                 for line in f:
