@@ -82,7 +82,7 @@ def draw_task(rng: random.Random, name: str) -> dict[str, Any]:
         tables.append(t)
     task: dict[str, Any] = {"name": name, "num_devices": d, "batch_size": batch, "optimizer": opt, "tables": tables}
     probe = Task.from_dict(task | {"device_memory_bytes": 1 << 50})
-    need = sum(probe.table_memory_bytes(t) for t in probe.tables)
+    need = probe.tables_memory_bytes()
     big = max(probe.table_memory_bytes(t) for t in probe.tables)
     slack = rng.choice([0.9, 1.02, 1.1, 1.5, 3.0, 20.0])
     task["device_memory_bytes"] = min(1 << 50, int(max(need / d * slack, big * rng.choice([0.5, 1.01, 1.2]))))

@@ -127,11 +127,10 @@ def infeasible_hint(name: str, task: Task, catalogue: Mapping[str, Capabilities]
 def memory_shortfall(task: Task) -> str | None:
     """Why no plan of `task` can fit, when its tables need more memory than all its devices
     hold together; None otherwise."""
-    need = sum(task.table_memory_bytes(t) for t in task.tables)
+    need = task.tables_memory_bytes()  # no split lowers it
     room = task.num_devices * task.device_memory_bytes
     if need <= room:
         return None
-    # splitting never lowers the total: every piece keeps its weights, optimizer state and outputs
     return (f"the tables need {need} bytes in all ({binary_size(need)}: weights, optimizer state, outputs) "
             f"and {task.num_devices} devices hold {room} ({binary_size(room)}): no plan fits; "
             "add devices or memory per device")

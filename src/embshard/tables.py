@@ -239,7 +239,7 @@ class Table:
                     or not _is_int(index) or index < 0:
                 raise InputError(f"table {d['name']!r}: trace must be {{'file': str, 'table_index': int}}, "
                                  f"got {trace!r}"[:300])
-            trace = TraceRef(str(trace["file"]), int(trace["table_index"]))
+            trace = TraceRef(str(trace["file"]), int(index))
         return cls(
             name=d["name"],
             rows=d["rows"],

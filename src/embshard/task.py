@@ -28,15 +28,15 @@ OPTIMIZER_STATE_BYTES_PER_ROW = {
 }
 #: The pooled output of the kernel and its gradient are fp32 tensors of batch × width.
 OUTPUT_BYTES_PER_ELEMENT = 4
-#: Link bandwidths of a two-tier topology when a task names none: TorchRec's planner defaults,
-#: INTRA_NODE_BANDWIDTH = 600 and CROSS_NODE_BANDWIDTH = 12.5 (GiB/s, stored in bytes/ms as
-#: 600 * 1024**3 / 1000) in torchrec/distributed/planner/constants.py (torchrec 1.8.0), used per
-#: device ("1 NIC per GPU" in BasicCommsBandwidths.get_bw, torchrec/distributed/planner/types.py).
 #: the most a task may state (docs/contracts.md): beyond any machine, inside 64-bit sums
 MAX_DEVICES = 1 << 20
 MAX_DEVICE_MEMORY_BYTES = 1 << 50   # 1 PiB
 MAX_BATCH_SIZE = 1 << 31
 MAX_TABLE_MEMORY_BYTES = 1 << 56
+#: Link bandwidths of a two-tier topology when a task names none: TorchRec's planner defaults,
+#: INTRA_NODE_BANDWIDTH = 600 and CROSS_NODE_BANDWIDTH = 12.5 (GiB/s, stored in bytes/ms as
+#: 600 * 1024**3 / 1000) in torchrec/distributed/planner/constants.py (torchrec 1.8.0), used per
+#: device ("1 NIC per GPU" in BasicCommsBandwidths.get_bw, torchrec/distributed/planner/types.py).
 INTRA_HOST_GBPS = 600.0
 INTER_HOST_GBPS = 12.5
 #: Every key a task JSON object may hold (docs/contracts.md).
@@ -167,6 +167,12 @@ class Task:
 
     def table_memory_bytes(self, table: Table) -> int:
         return self.shard_memory_bytes(table, table.rows, table.dim)
+
+    def tables_memory_bytes(self) -> int:
+        """Bytes all tables need in training, each whole: what every plan needs at least over
+        all devices (splitting a table never lowers its memory: every piece keeps its weights,
+        optimizer state and outputs)."""
+        return sum(self.table_memory_bytes(t) for t in self.tables)
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:

@@ -136,7 +136,7 @@ class HardwareEvaluator:
             check_fbgemm_optimizer(task.optimizer, self.device, task.name)
         free = memory_free_bytes(self.device)
         # every plan puts at least an even share of the tables' training memory on some device
-        share = -(-sum(task.table_memory_bytes(t) for t in task.tables) // task.num_devices)
+        share = -(-task.tables_memory_bytes() // task.num_devices)
         if free is not None and share > free:
             raise InputError(
                 f"measuring task {task.name!r} allocates at least {share} bytes for one device (its tables' training "
@@ -149,12 +149,8 @@ class HardwareEvaluator:
         free = memory_free_bytes(self.device)
         if free is None:
             return
-        tables = task.table_by_name
         for plan in plans:
-            need = [0] * task.num_devices
-            for s in plan.shards:  # what the validator refuses (an unknown table, device), it says later
-                if s.table in tables and 0 <= s.device < task.num_devices and s.rows > 0 and s.dim > 0:
-                    need[s.device] += task.shard_memory_bytes(tables[s.table], s.rows, s.dim)
+            need = plan.memory_bytes(task)  # (an unknown table or device: the validator says so later)
             worst = max(range(task.num_devices), key=need.__getitem__)
             if need[worst] > free:
                 raise InputError(

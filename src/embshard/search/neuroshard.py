@@ -262,7 +262,7 @@ class NeuroShardSearch:
         """Greedy grid on the unsplit tables, then the beam: every move is screened by one
         greedy run at its parent's best cap, and the `beam_width` best are scored over the
         full grid of caps (and become the next beam)."""
-        need = sum(self.task.table_memory_bytes(t) for t in self.task.tables)
+        need = self.task.tables_memory_bytes()
         room = self.task.num_devices * self.task.device_memory_bytes
         if need > room:  # no split lowers a table's memory: say so now, not after every split was tried
             big = max(self.task.tables, key=self.task.table_memory_bytes).name
