@@ -118,26 +118,23 @@ def adam_task(optimizer: str = "adam") -> Task:
     return Task("small_adam", 2, 1 << 30, 64, (Table("a", 100, 8, 1.0), Table("b", 200, 4, 2.0)), optimizer=optimizer)
 
 
-def test_shard_py_refuses_to_measure_an_adam_task_on_the_torch_backend(capsys, tmp_path):
+def _measure_refused(refused_in_process, tmp_path, task: Task, *overrides: str) -> list[str]:
+    """shard.py measuring `task` (size_greedy, quick protocol) in this process: asserts it exits
+    2 and writes nothing; its stderr lines."""
+    task.save(tmp_path / "task.json")
+    code, err = refused_in_process(f"task_file={tmp_path / 'task.json'}", f"out_dir={tmp_path / 'out'}",
+                                   "algorithm=size_greedy", "evaluate=measured", "measure=quick", "progress=false",
+                                   *overrides, entry="shard")
+    assert code == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["task.json"]
+    return err
+
+
+def test_shard_py_refuses_to_measure_an_adam_task_on_the_torch_backend(refused_in_process, tmp_path):
     """Before: a UserWarning among the progress bars, SGD timed, the cost reported as the task's, exit 0."""
-    import shard
-    from hydra import compose, initialize_config_dir
-
-    from embshard.cli import one_line_errors
-
-    adam_task().save(tmp_path / "task.json")
-    out = tmp_path / "out"
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="shard", overrides=[f"task_file={tmp_path / 'task.json'}", f"out_dir={out}",
-                                                      "algorithm=size_greedy", "evaluate=measured", "hardware=torch_cpu",
-                                                      "measure=quick", "progress=false"])
-    with pytest.raises(SystemExit) as e:
-        one_line_errors(shard.run, cfg)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err == ("error: the torch backend times an SGD update only and task 'small_adam' uses optimizer 'adam': "
-                   "measure it with backend fbgemm (hardware=fbgemm_cpu or fbgemm_cuda)\n")
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["task.json"]
+    err = _measure_refused(refused_in_process, tmp_path, adam_task(), "hardware=torch_cpu")
+    assert err == ["error: the torch backend times an SGD update only and task 'small_adam' uses optimizer 'adam': "
+                   "measure it with backend fbgemm (hardware=fbgemm_cpu or fbgemm_cuda)"]
 
 
 def test_torch_kernels_time_sgd_tasks_and_refuse_others():
@@ -156,30 +153,16 @@ def test_torch_kernels_time_sgd_tasks_and_refuse_others():
     HardwareEvaluator(backend="fbgemm", comm_backend=None).check_task(task)
 
 
-def test_fbgemm_cpu_kernels_refuse_adam_in_one_line_before_measuring(capsys, tmp_path):
+def test_fbgemm_cpu_kernels_refuse_adam_in_one_line_before_measuring(refused_in_process, tmp_path):
     """Before: FBGEMM's AssertionError ("Optimizer adam is not supported in CPU mode") and its
     traceback after the planners had run; now exit 2, one line, nothing written."""
-    import shard
-    from hydra import compose, initialize_config_dir
-
-    from embshard.cli import one_line_errors
     from embshard.hardware.backends import ShardInput, make_kernel
     from embshard.hardware.evaluator import HardwareEvaluator
     from embshard.plan import Shard
 
-    adam_task().save(tmp_path / "task.json")
-    out = tmp_path / "out"
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="shard", overrides=[f"task_file={tmp_path / 'task.json'}", f"out_dir={out}",
-                                                      "algorithm=size_greedy", "evaluate=measured", "hardware=fbgemm_cpu",
-                                                      "measure=quick", "progress=false"])
-    with pytest.raises(SystemExit) as e:
-        one_line_errors(shard.run, cfg)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: FBGEMM's CPU kernel has no fused 'adam' update and task 'small_adam' uses it: ")
-    assert err.count("\n") == 1
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["task.json"]
+    err = _measure_refused(refused_in_process, tmp_path, adam_task(), "hardware=fbgemm_cpu")
+    assert len(err) == 1
+    assert err[0].startswith("error: FBGEMM's CPU kernel has no fused 'adam' update and task 'small_adam' uses it: ")
     shards = [ShardInput(adam_task().tables[0], Shard("a", 0, 0, 8, 0, 100))]
     with pytest.raises(InputError, match="no fused 'adam' update"):
         make_kernel("fbgemm", shards, 64, optimizer="adam")
@@ -190,13 +173,9 @@ def test_fbgemm_cpu_kernels_refuse_adam_in_one_line_before_measuring(capsys, tmp
         make_kernel("fbgemm", shards, 64, optimizer=optimizer)
 
 
-def test_measuring_refuses_in_one_line_what_this_machine_cannot_allocate(monkeypatch, capsys, tmp_path):
+def test_measuring_refuses_in_one_line_what_this_machine_cannot_allocate(monkeypatch, refused_in_process, tmp_path):
     """Before: FBGEMM's RuntimeError traceback ("can't allocate memory: you tried to allocate
     73499892800 bytes") after the planners had run, for a user's task of real-size tables."""
-    import shard
-    from hydra import compose, initialize_config_dir
-
-    from embshard.cli import one_line_errors
     from embshard.hardware import evaluator as ev
     from embshard.plan import Plan, Shard
 
@@ -208,15 +187,8 @@ def test_measuring_refuses_in_one_line_what_this_machine_cannot_allocate(monkeyp
                                          rf"\(its tables' training memory over 2 devices\) and this machine has {share - 1} "
                                          r"bytes free on cpu: plan it without measuring \(evaluate=estimated\)"):
         ev.HardwareEvaluator(comm_backend=None).check_task(task)
-    task.save(tmp_path / "task.json")
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="shard", overrides=[f"task_file={tmp_path / 'task.json'}", f"out_dir={tmp_path / 'out'}",
-                                                      "algorithm=size_greedy", "evaluate=measured", "measure=quick",
-                                                      "progress=false"])
-    with pytest.raises(SystemExit) as e:
-        one_line_errors(shard.run, cfg)
-    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: measuring task 'big' allocates at least")
-    assert not (tmp_path / "out").exists()
+    err = _measure_refused(refused_in_process, tmp_path, task)
+    assert len(err) == 1 and err[0].startswith("error: measuring task 'big' allocates at least")
     # the even share fits, the plan's fuller device does not: refused before anything is measured
     monkeypatch.setattr(ev, "memory_free_bytes", lambda device: a - 1)
     hw = ev.HardwareEvaluator(comm_backend=None)
