@@ -107,6 +107,10 @@ def reduce_task(task: Task) -> Reduction:
     kept: list[Table] = []
     slices: dict[str, tuple[str, int]] = {}
     fixed_tables: list[str] = []
+
+    def least_loaded_host() -> list[int]:  # the host whose fullest device holds the least fixed memory so far
+        return min(hosts, key=lambda h: (max(load[x] for x in h), h))
+
     for t in task.tables:
         kind = fixed_kind(t, len(hosts))
         if kind is None:
@@ -126,7 +130,7 @@ def reduce_task(task: Task) -> Reduction:
             # fixed memory so far, least-loaded device first (one piece per device)
             width = column_slice_width(t)
             offs = list(range(0, t.dim, width))
-            host = min(hosts, key=lambda h: (max(load[x] for x in h), h))
+            host = least_loaded_host()
             devs = sorted(host, key=lambda x: (load[x], x))[:len(offs)]
             per, extra = divmod(len(offs), len(devs))
             start = 0
@@ -142,7 +146,7 @@ def reduce_task(task: Task) -> Reduction:
                 pieces = [Shard(t.name, dev, 0, t.dim, 0, t.rows, replica=dev) for dev in range(d)]
                 copies = d
             else:
-                group = list(range(d)) if kind == "row_wise" else min(hosts, key=lambda h: (max(load[x] for x in h), h))
+                group = list(range(d)) if kind == "row_wise" else least_loaded_host()
                 pieces = [Shard(t.name, dev, 0, t.dim, off, rows)
                           for (off, rows), dev in zip(even_row_layout(t.rows, len(group)), group) if rows > 0]
                 copies = 1
