@@ -97,11 +97,14 @@ def torchrec_layouts(table: Table, shards: Sequence[_ShardLike], world_size: int
         piece = [(0, 0, table.rows, table.dim, s.device)]
         out = [("table_wise", piece), ("column_wise", piece), ("table_column_wise", piece)]
         # TorchRec's row-wise layouts hold a one-row table (or any table on one rank) as one
-        # block on the first rank: the same single shard
-        rows = _row_pieces(table, shards, 0, table.dim, list(range(world_size)))
-        if rows is not None:
-            out.append(("row_wise", rows))
-        out += [("table_row_wise", p) for p in (_row_pieces(table, shards, 0, table.dim, r) for r in hosts) if p is not None]
+        # block on the first rank: the same single shard (only then: blocks of ceil(rows / n)
+        # leave rows to the other n - 1 ranks, so nothing else is laid out here, once per table
+        # of every plan exported)
+        for kind, ranks in [("row_wise", list(range(world_size)))] + [("table_row_wise", h) for h in hosts]:
+            if ranks[0] == s.device and (table.rows == 1 or len(ranks) == 1):
+                rows = _row_pieces(table, shards, 0, table.dim, ranks)
+                if rows is not None:
+                    out.append((kind, rows))
         if world_size == 1:  # data-parallel over one rank: the table once
             out.append(("data_parallel", piece))
         return out
