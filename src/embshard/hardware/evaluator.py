@@ -134,6 +134,16 @@ class HardwareEvaluator:
             check_torch_optimizer(task.optimizer, task.name)
         if self.backend == "fbgemm" or self.step == "dmp":  # TorchRec's CPU tables are FBGEMM's kernel too
             check_fbgemm_optimizer(task.optimizer, self.device, task.name)
+        if self.step == "kernels" and task.num_devices > 1:  # (one device: its one copy is a plain shard)
+            from embshard.search.constrained import forced_data_parallel
+
+            pooled = {t.name for t in task.tables if not t.is_sequence}
+            replicated = [name for name in forced_data_parallel(task) if name in pooled]
+            if replicated:  # every plan replicates them: refuse now, not after every algorithm planned
+                raise InputError(
+                    f"task {task.name!r}: table(s) {replicated[:3]} may only be data_parallel (their sharding_types), so "
+                    "every plan replicates them, which the kernel measurement does not model; measure it as TorchRec's "
+                    "DMP step (hardware=dmp_cpu) or plan it without measuring (evaluate=estimated)")
         free = memory_free_bytes(self.device)
         # every plan puts at least an even share of the tables' training memory on some device
         share = -(-task.tables_memory_bytes() // task.num_devices)
