@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-e2e venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-broad rl-wide rl-more rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval rl-test-eval scale-bench checkpoint-compare fuzz
+.PHONY: demo test test-e2e venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-broad rl-wide rl-more rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval rl-test-eval scale-bench checkpoint-compare fuzz fuzz-measured
 
 venv: $(STAMP)
 
@@ -376,6 +376,12 @@ FUZZ_SEED ?= 1
 FUZZ_TASKS ?= 30
 fuzz: $(STAMP)
 	$(PY) scripts/fuzz_planners.py run --seed $(FUZZ_SEED) --tasks $(FUZZ_TASKS) --out experiments/fuzz/seed$(FUZZ_SEED).jsonl
+
+# The same tasks shrunk to be measurable here, through shard.py evaluate=measured (quick protocol, guards
+# on): a traceback, an odd exit or a multi-line error is a defect. 5 s to 5 min a task; FUZZ_MEASURED tasks.
+FUZZ_MEASURED ?= 10
+fuzz-measured: $(STAMP)
+	$(PY) scripts/fuzz_planners.py measured --seed $(FUZZ_SEED) --tasks $(FUZZ_MEASURED) --out experiments/fuzz/measured$(FUZZ_SEED).jsonl
 
 # Planning time and estimates at scale (docs/portfolio.md, "Scale"): every planner at 856 x 128 and
 # 5,384 x 1,024, then the portfolio on that 5,384-table task (its search_seconds in

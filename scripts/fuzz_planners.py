@@ -6,6 +6,7 @@ Example:
     .venv/bin/python scripts/fuzz_planners.py run --seed 1 --tasks 30            # make fuzz
     .venv/bin/python scripts/fuzz_planners.py run --seed 2 --tasks 200 --algorithms neuroshard,portfolio
     .venv/bin/python scripts/fuzz_planners.py task --seed 2 --index 143 --out task.json  # one task again
+    .venv/bin/python scripts/fuzz_planners.py measured --seed 3 --tasks 10                 # make fuzz-measured
 
 A task: 1-1,500 tables (log-uniform rows 1..2e8, dims 4-1,024, pooling 0.01-500, fp16, several
 bags, Pareto-tailed reuse histograms or none, sharding-type constraints, min_partition, sequence
@@ -22,6 +23,13 @@ kind it does not plan), or a defect: `CRASH` (any other exception, with its trac
 finite and positive). `--slow` marks ok plans slower than that. Prints the defects and a count
 per kind; exit status 1 when there is a defect. Failing tasks are written beside `--out`
 (`<out>.tasks/<task>.json`) to reproduce them with shard.py.
+
+`measured` (`make fuzz-measured`) takes the same tasks, shrunk so this machine can measure them
+(`measurable`: at most 8 devices, 120 tables, batch 8,192 and 512 MiB of tables), through
+`shard.py evaluate=measured measure=quick` with `--algorithms` (their guards on), one process per
+task: a defect is a traceback, an exit status other than 0, 1 or 2, an exit 2 without exactly one
+`error:` line, or a run over `--timeout` seconds. Tasks and their runs are kept under
+`<out>.tasks/`.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -179,6 +188,73 @@ def run(args: argparse.Namespace) -> int:
     return 1 if defects else 0
 
 
+def measurable(td: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    """`td` shrunk so this machine can measure it: at most 8 devices, 120 tables and batch 8,192,
+    rows scaled down (and, where the outputs alone are too much, the batch halved) until the
+    tables' training memory is at most 512 MiB, and memory per device 1.02-3x an even share (at
+    least the largest table's)."""
+    from embshard.task import Task
+
+    td = json.loads(json.dumps(td)) | {"num_devices": min(td["num_devices"], 8), "batch_size": min(td["batch_size"], 8192)}
+    if td["num_devices"] % td.get("devices_per_host", 1):
+        td.pop("devices_per_host")
+    td["tables"] = td["tables"][:120]
+    probe = Task.from_dict(td | {"device_memory_bytes": 1 << 50})
+    need = probe.tables_memory_bytes()
+    while need > 1 << 29:  # rows scaled down; where outputs alone are too much, the batch halved too
+        if all(t["rows"] == 1 for t in td["tables"]):
+            td["batch_size"] = max(1, td["batch_size"] // 2)
+        for t in td["tables"]:
+            t["rows"] = max(1, int(t["rows"] * 0.9 * (1 << 29) / need))
+        probe = Task.from_dict(td | {"device_memory_bytes": 1 << 50})
+        need = probe.tables_memory_bytes()
+    big = max(probe.table_memory_bytes(t) for t in probe.tables)
+    td["device_memory_bytes"] = int(max(need / td["num_devices"] * rng.choice([1.02, 1.5, 3.0]), big * 1.01))
+    return td
+
+
+def measured(args: argparse.Namespace) -> int:
+    """`measured`: fuzzed tasks, shrunk (`measurable`), through shard.py evaluate=measured."""
+    import subprocess
+
+    out = Path(args.out)
+    keep = Path(f"{out}.tasks")
+    keep.mkdir(parents=True, exist_ok=True)
+    counts: Counter[str] = Counter()
+    with out.open("w") as f:
+        for i, td in tasks(args.seed, args.tasks):
+            td = measurable(td, random.Random(f"{args.seed}-{i}"))
+            path = keep / f"{td['name']}.json"
+            path.write_text(json.dumps(td))
+            desc = f"{len(td['tables'])} tables x {td['num_devices']} devices, batch {td['batch_size']}, {td['optimizer']}"
+            cmd = [sys.executable, str(ROOT / "shard.py"), f"task_file={path}", "evaluate=measured", "measure=quick",
+                   f"algorithms=[{args.algorithms}]", "plot=false", "progress=false", f"out_dir={keep / td['name']}"]
+            t0 = time.perf_counter()
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT,
+                                   env=os.environ | {"WANDB_MODE": os.environ.get("WANDB_MODE", "offline")})
+            except subprocess.TimeoutExpired:
+                rec = {"kind": "TIMEOUT", "seconds": args.timeout}
+            else:
+                errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+                rec = {"seconds": round(time.perf_counter() - t0, 1), "rc": p.returncode,
+                       "message": errors[-1][:300] if errors else ""}
+                if "Traceback" in p.stderr or p.returncode not in (0, 1, 2):
+                    rec |= {"kind": "CRASH", "traceback": p.stderr[-3000:]}
+                elif p.returncode == 2 and len(errors) != 1:
+                    rec |= {"kind": "MULTILINE", "message": p.stderr[-600:]}
+                else:
+                    rec["kind"] = "ok" if p.returncode == 0 else "refused"
+            rec = {"task": td["name"], "index": i, "desc": desc} | rec
+            counts[rec["kind"]] += 1
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            print(f"{rec['kind']:9s} {td['name']} ({desc}) {rec['seconds']} s {rec.get('message', '')[:200]}", flush=True)
+    print(f"{args.tasks} tasks measured: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+          + f"; records in {out}, tasks and runs in {keep}")
+    return 1 if any(counts[k] for k in DEFECTS) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -189,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--timeout", type=int, default=120, help="seconds per plan before it counts as TIMEOUT")
     r.add_argument("--slow", type=float, default=10.0, help="seconds above which an ok plan is reported as slow")
     r.add_argument("--out", default="experiments/fuzz/results.jsonl")
+    m = sub.add_parser("measured", help="measure shrunk fuzzed tasks through shard.py; report defects")
+    m.add_argument("--seed", type=int, default=1)
+    m.add_argument("--tasks", type=int, default=10)
+    m.add_argument("--algorithms", default="size_lookup_greedy,neuroshard,portfolio")
+    m.add_argument("--timeout", type=int, default=900, help="seconds per task before it counts as TIMEOUT")
+    m.add_argument("--out", default="experiments/fuzz/measured.jsonl")
     t = sub.add_parser("task", help="write one fuzzed task JSON")
     t.add_argument("--seed", type=int, required=True)
     t.add_argument("--index", type=int, required=True)
@@ -200,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.out).write_text(json.dumps(td, indent=1))
                 print(f"wrote {args.out}: {len(td['tables'])} tables x {td['num_devices']} devices")
         return 0
-    return run(args)
+    return measured(args) if args.cmd == "measured" else run(args)
 
 
 if __name__ == "__main__":

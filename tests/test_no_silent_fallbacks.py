@@ -303,3 +303,25 @@ def test_measuring_refuses_a_forced_data_parallel_pooled_table_before_planning(r
                         for t in task.tables), optimizer=task.optimizer)
     assert constrained.forced_data_parallel(either) == []  # row_wise is laid out instead
     HardwareEvaluator(comm_backend=None).check_task(either)
+
+
+def test_measured_fuzzing_shrinks_tasks_to_what_this_machine_can_measure():
+    """scripts/fuzz_planners.py measured: every fuzzed task, shrunk, stays a valid task within the
+    limits it promises (8 devices, 120 tables, batch 8,192, 512 MiB of tables) that some plan fits."""
+    import importlib.util
+    import random
+
+    spec = importlib.util.spec_from_file_location("fuzz_planners", ROOT / "scripts" / "fuzz_planners.py")
+    fz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fz)
+    shrunk = 0
+    for i, td in fz.tasks(2, 40):
+        small = fz.measurable(td, random.Random(f"2-{i}"))
+        assert small == fz.measurable(td, random.Random(f"2-{i}"))  # the same task every time
+        task = Task.from_dict(small)
+        assert task.num_devices <= 8 and len(task.tables) <= 120 and task.batch_size <= 8192
+        assert task.tables_memory_bytes() <= 1 << 29
+        assert max(task.table_memory_bytes(t) for t in task.tables) <= task.device_memory_bytes
+        assert task.tables_memory_bytes() <= task.num_devices * task.device_memory_bytes
+        shrunk += small["tables"] != td["tables"]
+    assert shrunk > 0  # the draws include tasks too big to measure here
