@@ -303,6 +303,10 @@ def test_measuring_refuses_a_forced_data_parallel_pooled_table_before_planning(r
                         for t in task.tables), optimizer=task.optimizer)
     assert constrained.forced_data_parallel(either) == []  # row_wise is laid out instead
     HardwareEvaluator(comm_backend=None).check_task(either)
+    seq = Task("seq", 4, task.device_memory_bytes, task.batch_size,
+               (Table("s", 1000, 16, 4.0, kind="sequence", sharding_types=["data_parallel"]),))
+    assert constrained.forced_data_parallel(seq) == []  # pooled replicas only: measure_many refuses no sequence copy
+    HardwareEvaluator(comm_backend=None).check_task(seq)
 
 
 def test_measured_fuzzing_shrinks_tasks_to_what_this_machine_can_measure():

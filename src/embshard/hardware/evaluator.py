@@ -137,8 +137,7 @@ class HardwareEvaluator:
         if self.step == "kernels" and task.num_devices > 1:  # (one device: its one copy is a plain shard)
             from embshard.search.constrained import forced_data_parallel
 
-            pooled = {t.name for t in task.tables if not t.is_sequence}
-            replicated = [name for name in forced_data_parallel(task) if name in pooled]
+            replicated = forced_data_parallel(task)
             if replicated:  # every plan replicates them: refuse now, not after every algorithm planned
                 raise InputError(
                     f"task {task.name!r}: table(s) {replicated[:3]} may only be data_parallel (their sharding_types), so "

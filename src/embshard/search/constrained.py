@@ -81,10 +81,10 @@ def fixed_kind(table: Table, hosts: int) -> str | None:
 
 
 def forced_data_parallel(task: Task) -> list[str]:
-    """The tables every plan of `task` replicates (`fixed_kind` data_parallel: their
+    """The pooled tables every plan of `task` replicates (`fixed_kind` data_parallel: their
     sharding_types leave no other shape), in task order."""
     hosts = len(range(0, task.num_devices, task.devices_per_host or task.num_devices))
-    return [t.name for t in task.tables if fixed_kind(t, hosts) == "data_parallel"]
+    return [t.name for t in task.tables if not t.is_sequence and fixed_kind(t, hosts) == "data_parallel"]
 
 
 @dataclass
