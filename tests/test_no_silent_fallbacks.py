@@ -324,6 +324,7 @@ def test_measured_fuzzing_shrinks_tasks_to_what_this_machine_can_measure():
         assert small == fz.measurable(td, random.Random(f"2-{i}"))  # the same task every time
         task = Task.from_dict(small)
         assert task.num_devices <= 8 and len(task.tables) <= 120 and task.batch_size <= 8192
+        assert task.optimizer == (td["optimizer"] if td["optimizer"] != "adam" else "rowwise_adagrad")
         assert task.tables_memory_bytes() <= 1 << 29
         assert max(task.table_memory_bytes(t) for t in task.tables) <= task.device_memory_bytes
         assert task.tables_memory_bytes() <= task.num_devices * task.device_memory_bytes
