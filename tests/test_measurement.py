@@ -484,3 +484,28 @@ def test_fidelity_without_comm_rescale_divides_the_comm_estimates_by_the_applied
     path.write_text(json.dumps(report))
     assert fid.main([str(path), "--without-comm-rescale"]) == 2
     assert "no probe" in capsys.readouterr().err
+
+
+def test_dmp_step_shards_by_the_tasks_hosts():
+    """TorchRec reads LOCAL_WORLD_SIZE to lay out table_row_wise; the DMP step's ranks used to
+    inherit one host of every rank (or the caller's torchrun value), so a 2 x 2 task's
+    table-row-wise blocks were an IndexError inside DMP (examples/tasks/constrained.json under
+    hardware=dmp_cpu). The long run is test_dmp_step_measures_table_row_wise_on_two_hosts."""
+    from embshard.hardware.dmp_step import local_world_size
+
+    assert local_world_size(Task("h", 4, 1 << 30, 64, (Table("a", 10, 8, 1.0),), devices_per_host=2).to_dict(), 4) == 2
+    assert local_world_size(Task("h", 4, 1 << 30, 64, (Table("a", 10, 8, 1.0),)).to_dict(), 4) == 4
+
+
+@pytest.mark.e2e
+def test_dmp_step_measures_table_row_wise_on_two_hosts(monkeypatch):
+    pytest.importorskip("torchrec")
+    from embshard.hardware.dmp_step import measure_dmp_steps
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # a torchrun caller's value: not the task's hosts
+    tables = (Table("twrw", 4_000, 16, 4.0, sharding_types=["table_row_wise"]), Table("tw", 1_000, 16, 2.0))
+    task = Task("twrw", 4, 1 << 30, 512, tables, devices_per_host=2)
+    plan = Plan(task.name, "manual", [Shard("twrw", 2, 0, 16, 0, 2_000), Shard("twrw", 3, 0, 16, 2_000, 2_000),
+                                      Shard("tw", 0, 0, 16, 0, 1_000)])
+    [s] = measure_dmp_steps(task, [plan], MeasurementProtocol(visits=1, repetitions=2, warmups=1, probe=False))
+    assert len(s.forward_ms) == 4 and all(x > 0 for x in s.forward_ms + s.backward_ms)

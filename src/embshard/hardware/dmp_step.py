@@ -129,6 +129,14 @@ def local_batch(task: Task, rank: int, world: int, rng: np.random.Generator):
                                                lengths=torch.cat(lengths).to(torch.int64))
 
 
+def local_world_size(task_dict: dict, world: int) -> int:
+    """The ranks per host TorchRec shards by (its LOCAL_WORLD_SIZE): the task's devices per host,
+    as `plan_to_torchrec` lays the plan out, not every rank on one host (table_row_wise blocks
+    over 2 ranks read with 4 on a host were an IndexError inside DMP), and not whatever the
+    caller's environment says (torchrun sets it for its own ranks)."""
+    return int(task_dict.get("devices_per_host") or world)
+
+
 def _worker(rank, world, store_path, task_dict, plan_dicts, protocol_dict, cores, seed, results, progress,
             timeout_s) -> None:
     try:
@@ -140,7 +148,7 @@ def _worker(rank, world, store_path, task_dict, plan_dicts, protocol_dict, cores
 
         protocol = MeasurementProtocol.from_config(protocol_dict)
         set_worker_process(protocol, rank, cores, threads=protocol.threads or 1)
-        os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size(task_dict, world))
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
