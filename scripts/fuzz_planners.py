@@ -7,6 +7,7 @@ Example:
     .venv/bin/python scripts/fuzz_planners.py run --seed 2 --tasks 200 --algorithms neuroshard,portfolio
     .venv/bin/python scripts/fuzz_planners.py task --seed 2 --index 143 --out task.json  # one task again
     .venv/bin/python scripts/fuzz_planners.py measured --seed 3 --tasks 10                 # make fuzz-measured
+    .venv/bin/python scripts/fuzz_planners.py measured --seed 6 --tasks 10 --override hardware=dmp_cpu
 
 A task: 1-1,500 tables (log-uniform rows 1..2e8, dims 4-1,024, pooling 0.01-500, fp16, several
 bags, Pareto-tailed reuse histograms or none, sharding-type constraints, min_partition, sequence
@@ -231,7 +232,8 @@ def measured(args: argparse.Namespace) -> int:
             path.write_text(json.dumps(td))
             desc = f"{len(td['tables'])} tables x {td['num_devices']} devices, batch {td['batch_size']}, {td['optimizer']}"
             cmd = [sys.executable, str(ROOT / "shard.py"), f"task_file={path}", "evaluate=measured", "measure=quick",
-                   f"algorithms=[{args.algorithms}]", "plot=false", "progress=false", f"out_dir={keep / td['name']}"]
+                   f"algorithms=[{args.algorithms}]", "plot=false", "progress=false", f"out_dir={keep / td['name']}",
+                   *args.override]
             t0 = time.perf_counter()
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT,
@@ -274,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--algorithms", default="size_lookup_greedy,neuroshard,portfolio")
     m.add_argument("--timeout", type=int, default=900, help="seconds per task before it counts as TIMEOUT")
     m.add_argument("--out", default="experiments/fuzz/measured.jsonl")
+    m.add_argument("--override", action="append", default=[],
+                   help="a shard.py override for every task, e.g. hardware=dmp_cpu (TorchRec's DMP step); repeatable")
     t = sub.add_parser("task", help="write one fuzzed task JSON")
     t.add_argument("--seed", type=int, required=True)
     t.add_argument("--index", type=int, required=True)

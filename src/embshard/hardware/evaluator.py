@@ -134,6 +134,11 @@ class HardwareEvaluator:
             check_torch_optimizer(task.optimizer, task.name)
         if self.backend == "fbgemm" or self.step == "dmp":  # TorchRec's CPU tables are FBGEMM's kernel too
             check_fbgemm_optimizer(task.optimizer, self.device, task.name)
+        if self.step == "dmp" and task.batch_size < task.num_devices:  # a rank with no sample fails inside DMP
+            raise InputError(
+                f"task {task.name!r}: the DMP step splits the batch over the ranks, and batch {task.batch_size} leaves "
+                f"{task.num_devices - task.batch_size} of {task.num_devices} ranks no sample: give a batch of at least "
+                f"{task.num_devices}, or measure the kernels (hardware=fbgemm_cpu)")
         if self.step == "kernels" and task.num_devices > 1:  # (one device: its one copy is a plain shard)
             from embshard.search.constrained import forced_data_parallel
 
