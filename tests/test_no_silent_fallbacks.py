@@ -344,3 +344,25 @@ def test_dmp_step_refuses_a_batch_smaller_than_its_ranks_before_planning(refused
     dmp = HardwareEvaluator(backend="torch", comm_backend="gloo", step="dmp")
     dmp.check_task(Task("even", 4, 1 << 28, 4, task.tables))  # one sample a rank: measured
     HardwareEvaluator(comm_backend=None).check_task(task)  # the kernel measurement times empty shares
+
+
+def test_dmp_step_refuses_a_row_wise_table_with_fewer_rows_than_ranks_before_planning(refused_in_process, tmp_path):
+    """Before: TorchRec's row blocks of a 1-row table over 4 ranks left 3 ranks an empty block, the
+    CPU kernel raised "weights[0] must be a GPU or MTIA tensor" in those ranks, and (the rank
+    that failed skipping no barrier) the others waited until the timeout (fuzzed, hardware=dmp_cpu)."""
+    from embshard.hardware.evaluator import HardwareEvaluator
+
+    one_row = Table("one", 1, 96, 0.05, sharding_types=["row_wise", "data_parallel"])
+    task = Task("rows", 4, 1 << 28, 64, (one_row, Table("b", 50, 8, 1.0)))
+    err = _measure_refused(refused_in_process, tmp_path, task, "hardware=dmp_cpu")
+    assert err == ["error: task 'rows': table 'one' (1 row) may only be row_wise (its sharding_types), and TorchRec's row "
+                   "blocks over 4 ranks leave some rank an empty block, which its CPU kernels cannot run in DMP's step: "
+                   "measure the kernels (hardware=fbgemm_cpu)"]
+    HardwareEvaluator(comm_backend=None).check_task(task)  # the kernels time the one block on its rank
+    dmp = HardwareEvaluator(backend="torch", comm_backend="gloo", step="dmp")
+    dmp.check_task(Task("four", 4, 1 << 28, 64, (dataclasses.replace(one_row, rows=4), task.tables[1])))  # 1 row a rank
+    hosts = Task("hosts", 4, 1 << 28, 64, (dataclasses.replace(one_row, rows=3, sharding_types=["table_row_wise"]),),
+                 devices_per_host=2)
+    with pytest.raises(InputError, match=r"table 'one' \(1 row\) may only be table_row_wise .* over 2 ranks"):
+        dmp.check_task(dataclasses.replace(hosts, tables=(dataclasses.replace(hosts.tables[0], rows=1),)))
+    dmp.check_task(hosts)  # 3 rows over a host's 2 ranks: blocks of 2 and 1

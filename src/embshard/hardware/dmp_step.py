@@ -152,12 +152,13 @@ def _worker(rank, world, store_path, task_dict, plan_dicts, protocol_dict, cores
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        try:
-            out = _measure(rank, world, Task.from_dict(task_dict), [Plan.from_dict(p) for p in plan_dicts], protocol,
-                           seed, progress)
-        finally:
-            dist.barrier()
-            dist.destroy_process_group()
+        # no barrier after an error: the other ranks may be inside a collective this rank will
+        # never join, so it would wait for them forever (it did, until the parent's timeout); the
+        # error goes to the parent at once, which stops every rank
+        out = _measure(rank, world, Task.from_dict(task_dict), [Plan.from_dict(p) for p in plan_dicts], protocol,
+                       seed, progress)
+        dist.barrier()
+        dist.destroy_process_group()
         results.put(("ok", rank, out))
     except BaseException:  # noqa: BLE001 - report everything to the parent, then die
         results.put(("error", rank, traceback.format_exc()))

@@ -139,6 +139,20 @@ class HardwareEvaluator:
                 f"task {task.name!r}: the DMP step splits the batch over the ranks, and batch {task.batch_size} leaves "
                 f"{task.num_devices - task.batch_size} of {task.num_devices} ranks no sample: give a batch of at least "
                 f"{task.num_devices}, or measure the kernels (hardware=fbgemm_cpu)")
+        if self.step == "dmp":
+            from embshard.search.constrained import fixed_kind
+            from embshard.search.pieces import row_splittable
+
+            per_host = task.devices_per_host or task.num_devices
+            hosts = len(range(0, task.num_devices, per_host))
+            for t in task.tables:  # every plan lays these out by TorchRec's row blocks
+                kind = fixed_kind(t, hosts)
+                ranks = {"row_wise": task.num_devices, "table_row_wise": per_host}.get(kind or "", 1)
+                if ranks > 1 and not row_splittable(t.rows, ranks):
+                    raise InputError(
+                        f"task {task.name!r}: table {t.name!r} ({t.rows} row{'s' * (t.rows != 1)}) may only be {kind} (its sharding_types), "
+                        f"and TorchRec's row blocks over {ranks} ranks leave some rank an empty block, which its CPU "
+                        "kernels cannot run in DMP's step: measure the kernels (hardware=fbgemm_cpu)")
         if self.step == "kernels" and task.num_devices > 1:  # (one device: its one copy is a plain shard)
             from embshard.search.constrained import forced_data_parallel
 
