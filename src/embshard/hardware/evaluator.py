@@ -134,25 +134,8 @@ class HardwareEvaluator:
             check_torch_optimizer(task.optimizer, task.name)
         if self.backend == "fbgemm" or self.step == "dmp":  # TorchRec's CPU tables are FBGEMM's kernel too
             check_fbgemm_optimizer(task.optimizer, self.device, task.name)
-        if self.step == "dmp" and task.batch_size < task.num_devices:  # a rank with no sample fails inside DMP
-            raise InputError(
-                f"task {task.name!r}: the DMP step splits the batch over the ranks, and batch {task.batch_size} leaves "
-                f"{task.num_devices - task.batch_size} of {task.num_devices} ranks no sample: give a batch of at least "
-                f"{task.num_devices}, or measure the kernels (hardware=fbgemm_cpu)")
         if self.step == "dmp":
-            from embshard.search.constrained import fixed_kind
-            from embshard.search.pieces import row_splittable
-
-            per_host = task.devices_per_host or task.num_devices
-            hosts = len(range(0, task.num_devices, per_host))
-            for t in task.tables:  # every plan lays these out by TorchRec's row blocks
-                kind = fixed_kind(t, hosts)
-                ranks = {"row_wise": task.num_devices, "table_row_wise": per_host}.get(kind or "", 1)
-                if ranks > 1 and not row_splittable(t.rows, ranks):
-                    raise InputError(
-                        f"task {task.name!r}: table {t.name!r} ({t.rows} row{'s' * (t.rows != 1)}) may only be {kind} (its sharding_types), "
-                        f"and TorchRec's row blocks over {ranks} ranks leave some rank an empty block, which its CPU "
-                        "kernels cannot run in DMP's step: measure the kernels (hardware=fbgemm_cpu)")
+            self._check_dmp(task)
         if self.step == "kernels" and task.num_devices > 1:  # (one device: its one copy is a plain shard)
             from embshard.search.constrained import forced_data_parallel
 
@@ -170,6 +153,30 @@ class HardwareEvaluator:
                 f"measuring task {task.name!r} allocates at least {share} bytes for one device (its tables' training "
                 f"memory over {task.num_devices} devices) and this machine has {free} bytes free on {self.device}: "
                 "plan it without measuring (evaluate=estimated), or measure a task of smaller tables")
+
+    @staticmethod
+    def _check_dmp(task: Task) -> None:
+        """What DMP's step on CPU cannot run, whatever the plan: a rank with no sample, and
+        TorchRec's row blocks that leave a rank an empty block (its CPU kernels raise)."""
+        from embshard.search.constrained import fixed_kinds
+        from embshard.search.pieces import row_splittable
+
+        d = task.num_devices
+        if task.batch_size < d:
+            raise InputError(
+                f"task {task.name!r}: the DMP step splits the batch over the ranks, and batch {task.batch_size} leaves "
+                f"{d - task.batch_size} of {d} ranks no sample: give a batch of at least {d}, or measure the kernels "
+                "(hardware=fbgemm_cpu)")
+        group = {"row_wise": d, "table_row_wise": task.devices_per_host or d}
+        kinds = fixed_kinds(task)
+        for t in task.tables:  # tables every plan lays out by TorchRec's row blocks
+            ranks = group.get(kinds.get(t.name, ""), 1)
+            if ranks > 1 and not row_splittable(t.rows, ranks):
+                raise InputError(
+                    f"task {task.name!r}: table {t.name!r} ({t.rows} row{'s' * (t.rows != 1)}) may only be "
+                    f"{kinds[t.name]} (its sharding_types), and TorchRec's row blocks over {ranks} ranks leave some rank "
+                    "an empty block, which its CPU kernels cannot run in DMP's step: measure the kernels "
+                    "(hardware=fbgemm_cpu)")
 
     def check_fits(self, task: Task, plans: Sequence[Plan]) -> None:
         """Raise InputError, before anything is measured, when one device of a plan needs more

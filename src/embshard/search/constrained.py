@@ -80,11 +80,17 @@ def fixed_kind(table: Table, hosts: int) -> str | None:
     )
 
 
+def fixed_kinds(task: Task) -> dict[str, str]:
+    """`fixed_kind` of every table of `task` that has one (the shapes every plan gives them)."""
+    hosts = len(range(0, task.num_devices, task.devices_per_host or task.num_devices))
+    return {t.name: kind for t in task.tables if (kind := fixed_kind(t, hosts)) is not None}
+
+
 def forced_data_parallel(task: Task) -> list[str]:
     """The pooled tables every plan of `task` replicates (`fixed_kind` data_parallel: their
     sharding_types leave no other shape), in task order."""
-    hosts = len(range(0, task.num_devices, task.devices_per_host or task.num_devices))
-    return [t.name for t in task.tables if not t.is_sequence and fixed_kind(t, hosts) == "data_parallel"]
+    kinds = fixed_kinds(task)
+    return [t.name for t in task.tables if not t.is_sequence and kinds.get(t.name) == "data_parallel"]
 
 
 @dataclass
