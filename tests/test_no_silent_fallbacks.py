@@ -332,18 +332,23 @@ def test_measured_fuzzing_shrinks_tasks_to_what_this_machine_can_measure():
     assert shrunk > 0  # the draws include tasks too big to measure here
 
 
-def test_dmp_step_refuses_a_batch_smaller_than_its_ranks_before_planning(refused_in_process, tmp_path):
-    """Before: each rank without a sample raised inside its worker ("batch_size must be a positive
-    integer, got 0") and shard.py ended in a RuntimeError traceback (fuzzed: batch 1 on 8 ranks)."""
+def test_dmp_step_refuses_a_batch_its_ranks_do_not_share_evenly_before_planning(refused_in_process, tmp_path):
+    """Before: a rank without a sample raised inside its worker ("batch_size must be a positive
+    integer, got 0"; fuzzed: batch 1 on 8 ranks), and batch 4096 on 5 ranks failed in a row_wise
+    table's backward all-gather (820 against 819 samples); shard.py ended in a RuntimeError
+    traceback both times. TorchRec trains every rank on the same local batch."""
     from embshard.hardware.evaluator import HardwareEvaluator
 
     task = Task("tiny_batch", 4, 1 << 28, 3, (Table("a", 100, 8, 2.0), Table("b", 50, 8, 1.0)))
     err = _measure_refused(refused_in_process, tmp_path, task, "hardware=dmp_cpu")
-    assert err == ["error: task 'tiny_batch': the DMP step splits the batch over the ranks, and batch 3 leaves 1 of 4 "
-                   "ranks no sample: give a batch of at least 4, or measure the kernels (hardware=fbgemm_cpu)"]
+    assert err == ["error: task 'tiny_batch': TorchRec's DMP step gives every rank the same local batch, and batch 3 "
+                   "does not split evenly over 4 ranks: give a multiple of 4 (e.g. 4), or measure the kernels "
+                   "(hardware=fbgemm_cpu)"]
     dmp = HardwareEvaluator(backend="torch", comm_backend="gloo", step="dmp")
+    with pytest.raises(InputError, match=r"batch 4096 does not split evenly over 5 ranks: give a multiple of 5 \(e.g. 4095\)"):
+        dmp.check_task(Task("five", 5, 1 << 28, 4096, task.tables))
     dmp.check_task(Task("even", 4, 1 << 28, 4, task.tables))  # one sample a rank: measured
-    HardwareEvaluator(comm_backend=None).check_task(task)  # the kernel measurement times empty shares
+    HardwareEvaluator(comm_backend=None).check_task(task)  # the kernel measurement times uneven and empty shares
 
 
 def test_dmp_step_refuses_a_row_wise_table_with_fewer_rows_than_ranks_before_planning(refused_in_process, tmp_path):

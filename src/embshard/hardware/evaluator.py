@@ -156,16 +156,19 @@ class HardwareEvaluator:
 
     @staticmethod
     def _check_dmp(task: Task) -> None:
-        """What DMP's step on CPU cannot run, whatever the plan: a rank with no sample, and
-        TorchRec's row blocks that leave a rank an empty block (its CPU kernels raise)."""
+        """What DMP's step on CPU cannot run, whatever the plan: ranks of unequal local batches
+        (TorchRec trains every rank on the same one; a row_wise table's backward all-gather fails
+        on 820 against 819 samples, a rank with no sample fails sooner), and TorchRec's row blocks
+        that leave a rank an empty block (its CPU kernels raise)."""
         from embshard.search.constrained import fixed_kinds
         from embshard.search.pieces import row_splittable
 
         d = task.num_devices
-        if task.batch_size < d:
+        if task.batch_size % d:
+            b = task.batch_size
             raise InputError(
-                f"task {task.name!r}: the DMP step splits the batch over the ranks, and batch {task.batch_size} leaves "
-                f"{d - task.batch_size} of {d} ranks no sample: give a batch of at least {d}, or measure the kernels "
+                f"task {task.name!r}: TorchRec's DMP step gives every rank the same local batch, and batch {b} does not "
+                f"split evenly over {d} ranks: give a multiple of {d} (e.g. {b - b % d or d}), or measure the kernels "
                 "(hardware=fbgemm_cpu)")
         group = {"row_wise": d, "table_row_wise": task.devices_per_host or d}
         kinds = fixed_kinds(task)
