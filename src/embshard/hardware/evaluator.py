@@ -170,7 +170,7 @@ class HardwareEvaluator:
                 f"task {task.name!r}: TorchRec's DMP step gives every rank the same local batch, and batch {b} does not "
                 f"split evenly over {d} ranks: give a multiple of {d} (e.g. {b - b % d or d}), or measure the kernels "
                 "(hardware=fbgemm_cpu)")
-        group = {"row_wise": d, "table_row_wise": task.devices_per_host or d}
+        group = {"row_wise": d, "table_row_wise": task.devices_per_host}
         kinds = fixed_kinds(task)
         for t in task.tables:  # tables every plan lays out by TorchRec's row blocks
             ranks = group.get(kinds.get(t.name, ""), 1)

@@ -82,8 +82,7 @@ def fixed_kind(table: Table, hosts: int) -> str | None:
 
 def fixed_kinds(task: Task) -> dict[str, str]:
     """`fixed_kind` of every table of `task` that has one (the shapes every plan gives them)."""
-    hosts = len(range(0, task.num_devices, task.devices_per_host or task.num_devices))
-    return {t.name: kind for t in task.tables if (kind := fixed_kind(t, hosts)) is not None}
+    return {t.name: kind for t in task.tables if (kind := fixed_kind(t, task.hosts)) is not None}
 
 
 def forced_data_parallel(task: Task) -> list[str]:
@@ -124,8 +123,9 @@ def reduce_task(task: Task) -> Reduction:
     def least_loaded_host() -> list[int]:  # the host whose fullest device holds the least fixed memory so far
         return min(hosts, key=lambda h: (max(load[x] for x in h), h))
 
+    kinds = fixed_kinds(task)
     for t in task.tables:
-        kind = fixed_kind(t, len(hosts))
+        kind = kinds.get(t.name)
         if kind is None:
             kept.append(t)
         elif kind == "column":
