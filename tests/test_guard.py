@@ -103,9 +103,20 @@ def test_guard_same_plan_verdict_measures_once():
     assert plan.shards == s.last_search_pick.shards
 
 
-def test_guard_without_a_heuristic_plan_keeps_the_search_pick():
-    # a table bigger than any device: every heuristic places whole tables and fails; the
-    # search splits it
+def test_guard_without_a_heuristic_plan_keeps_the_search_pick(monkeypatch):
+    # heuristics that find no plan (a whole-table planner now cuts a table too large for a
+    # device, so the real ones plan this task: tests/test_fit_cuts.py); the search splits it
+    import embshard.search.guard as guard_module
+    from embshard.errors import InfeasibleError
+
+    class Nowhere:
+        from embshard.search.base import WHOLE_TABLES as capabilities
+
+        def shard(self, task):
+            raise InfeasibleError("table 'big' needs 9 bytes but the most free memory on any device is 1 byte "
+                                  "(device 0): short by 8 bytes", table="big", shortfall_bytes=8)
+
+    monkeypatch.setattr(guard_module, "heuristic_sharders", lambda: {h: Nowhere for h in HEURISTICS})
     big = Table("big", 200_000, 64, 5.0)
     task = Task("g", 2, 40_000_000, 512, (big, Table("s", 1000, 8, 1.0)))
     assert task.table_memory_bytes(big) > task.device_memory_bytes

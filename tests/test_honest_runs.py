@@ -302,18 +302,35 @@ def test_usage_no_longer_calls_the_default_estimate_analytic():
 
 
 # ----------------------------------------------------------------------------- 7. infeasibility hints
-def test_whole_table_algorithms_name_the_ones_that_split(capsys, tmp_path):
+def test_whole_table_algorithms_cut_a_table_too_large_for_one_device(capsys, tmp_path):
     big = Table("user_id", 200_000, 64, 1.0)  # 51.2 MB of weights: fits no 40 MB device whole
     task = Task("split", 4, 40 * 10**6, 256, (big, *pooled_task().tables))
+    assert task.table_memory_bytes(big) > task.device_memory_bytes
     code, stdout, err, out = run_in_process(capsys, tmp_path, task, "evaluate=none",
                                             "algorithms=[size_lookup_greedy,dreamshard,autoshard,neuroshard]")
     assert code == 0, err
     by = {r["algorithm"]: r for r in report(out)["results"]}
-    for name in ("size_lookup_greedy", "dreamshard", "autoshard"):
-        assert "'user_id'" in by[name]["error"] and "short by" in by[name]["error"]
-        assert by[name]["error"].endswith(f"; {name} places whole tables; torchrec, neuroshard and portfolio split "
-                                          "tables: try algorithms=[torchrec,neuroshard,portfolio]")
-    assert by["neuroshard"]["valid"]
+    for name in ("size_lookup_greedy", "dreamshard", "autoshard", "neuroshard"):
+        assert by[name]["valid"], by[name]["error"]
+        plan = Plan.load(out / "plans" / f"{name}.json")
+        cut = [s for s in plan.shards if s.table == "user_id"]
+        # TorchRec's way: equal column slices, each on its own device, every row in each
+        assert len(cut) >= 2 and len({s.device for s in cut}) == len(cut) and all(s.rows == big.rows for s in cut)
+        assert sorted(s.col_offset for s in cut) == list(range(0, big.dim, big.dim // len(cut)))
+        assert max(plan.memory_bytes(task)) <= task.device_memory_bytes
+
+
+def test_a_table_no_allowed_cut_fits_is_named_with_its_shortfall(capsys, tmp_path):
+    # column slices may be no narrower than 64 and rows are not allowed: nothing fits a device
+    big = Table("user_id", 200_000, 64, 1.0, sharding_types=("table_wise", "column_wise"), min_partition=64)
+    task = Task("split", 4, 40 * 10**6, 256, (big, *pooled_task().tables))
+    code, stdout, err, out = run_in_process(capsys, tmp_path, task, "evaluate=none",
+                                            "algorithms=[size_lookup_greedy,dreamshard,autoshard]")
+    assert code == 1, err  # every algorithm failed
+    for r in report(out)["results"]:
+        assert not r["valid"] and "'user_id'" in r["error"] and "short by" in r["error"], r
+        assert r["error"].endswith("; 'user_id' fits no device whole and no cut its sharding_types allow fits one: "
+                                   "allow column_wise with a smaller min_partition, or row_wise / table_row_wise"), r
 
 
 def test_neuroshard_keeps_its_splitting_steps_out_of_info_logs(caplog):

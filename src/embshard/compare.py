@@ -11,7 +11,7 @@ from embshard.costs.base import CostModel, DeviceCosts, EnvelopeReporting
 from embshard.errors import EmbshardError, InfeasibleError
 from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities, GuardedSharder, Sharder
-from embshard.search.constrained import needs_reduction, shard_constrained
+from embshard.search.constrained import fit_kind, needs_reduction, shard_constrained
 from embshard.task import Task
 
 log = logging.getLogger(__name__)
@@ -108,13 +108,20 @@ def refusal(name: str, capabilities: Capabilities, task: Task) -> str | None:
     return None
 
 
-def infeasible_hint(name: str, task: Task, catalogue: Mapping[str, Capabilities]) -> str:
+def infeasible_hint(name: str, task: Task, catalogue: Mapping[str, Capabilities], table: str | None = None) -> str:
     """What would help when `name` found no plan that fits memory: more memory when the tables
-    cannot fit in all the devices together (no plan can), else the algorithms of `catalogue`
-    that split tables and are meant for the task, when `name` does not split them."""
+    cannot fit in all the devices together (no plan can); when `table` (the one that did not
+    fit) fits no device whole and its sharding_types allow no cut that does, which types would;
+    else the algorithms of `catalogue` that split tables themselves and are meant for the task,
+    when `name` does not (it cuts a table only to fit one device, search/constrained.py)."""
     short = memory_shortfall(task)
     if short:
         return short
+    t = task.table_by_name.get(table) if table else None
+    if (t is not None and not t.is_sequence and task.table_memory_bytes(t) > task.device_memory_bytes
+            and fit_kind(task, t) is None):
+        return (f"{t.name!r} fits no device whole and no cut its sharding_types allow fits one: allow "
+                "column_wise with a smaller min_partition, or row_wise / table_row_wise")
     if catalogue[name].splits_tables:
         return ""
     splitters = [n for n, c in catalogue.items() if c.splits_tables and refusal(n, c, task) is None]
@@ -169,7 +176,7 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
         except EmbshardError as e:
             seconds = time.perf_counter() - start
             error = str(e).splitlines()[0] if str(e) else type(e).__name__
-            hint = infeasible_hint(name, task, catalogue) if isinstance(e, InfeasibleError) else ""
+            hint = infeasible_hint(name, task, catalogue, e.table) if isinstance(e, InfeasibleError) else ""
             error = f"{error}; {hint}" if hint else error
             log.warning("%s on %s: no valid plan: %s", name, task.name, error)
             results.append(Result(task.name, name, valid=False, error=error, search_seconds=seconds))

@@ -24,8 +24,10 @@ class Capabilities:
             tables also refuses a task holding any (its cost models, policy or TorchRec's
             EmbeddingBagCollection model pooled lookups only). One meant for sequence tables
             may carry pooled tables beside them: the sequence data path runs both.
-        splits_tables: whether it splits a table (columns or rows) over devices; infeasibility
-            errors of the others name the ones that do.
+        splits_tables: whether it splits tables (columns or rows) over devices itself. One that
+            does not gets a pooled table too large for one device cut first, as TorchRec would
+            shard it (`embshard.search.constrained.shard_constrained`); its infeasibility
+            errors name the ones that do.
         made_elsewhere: its plan was made before the run (a plan file): it gets the task as it
             is, never the task with constrained tables shaped first (search/constrained.py).
     """

@@ -19,6 +19,16 @@ every algorithm (`shard_constrained`):
 * else table_column_wise over several hosts: TorchRec's column slices, fixed in contiguous runs
   on the devices of the host with the least fixed memory so far.
 
+For an algorithm that places whole tables (its `Capabilities.splits_tables` is False: the
+heuristics, DreamShard, AutoShard), a pooled table too large for one device's memory is cut
+here too, as TorchRec's planner would shard it (`fit_kind`): into the widest equal column
+slices that fit a device (halving the width while it is a multiple of 8 and the halves stay at
+least its `min_partition`), which the search places as whole tables; where no such slices fit,
+or its `sharding_types` leave out column_wise, into TorchRec's row blocks over all devices
+(row_wise) or over one host (table_row_wise), as they allow. A table that fits whole is never
+cut, so a task whose tables all fit plans as before. NeuroShard splits tables to fit on its
+own and gets the task as it is.
+
 The search then plans the other tables with each device's memory reduced by the most any
 device holds of the fixed pieces (a device holding less keeps the difference unused: a
 plan never exceeds memory), and the fixed pieces join its plan. A table allowed only
@@ -30,6 +40,7 @@ data_parallel).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -38,6 +49,8 @@ from embshard.layouts import even_row_layout
 from embshard.plan import Plan, Shard, normalize, validate
 from embshard.tables import DIM_ALIGNMENT, Table
 from embshard.task import Task
+
+log = logging.getLogger(__name__)
 
 #: TorchRec's MIN_CW_DIM (torchrec/distributed/planner/constants.py): the column-wise slice
 #: width it aims at when a table has no min_partition.
@@ -102,14 +115,55 @@ class Reduction:
     slices: dict[str, tuple[str, int]] = field(default_factory=dict)
     reserved_bytes: int = 0               # per device, taken from every device's memory
     fixed_tables: list[str] = field(default_factory=list)
+    #: the tables cut because they fit no device whole (`fit_kind`)
+    cut_to_fit: list[str] = field(default_factory=list)
 
 
-def needs_reduction(task: Task) -> bool:
-    return any(not t.allows("table_wise") for t in task.tables)
+def fit_kind(task: Task, table: Table, shrink: int = 0) -> tuple[str, int] | None:
+    """How `reduce_task(fit=True)` cuts a pooled table too large for one device whole:
+    ("column", the slice width) for the widest equal column slices that each fit in
+    1 / 2**`shrink` of a device (the narrowest its constraints allow where none is that small,
+    as long as they fit a device), else ("row_wise", 0) or
+    ("table_row_wise", 0) where its row blocks fit (module docstring); None when the table fits
+    whole, is a sequence table, or no cut here fits it (the search then names it and the
+    shortfall)."""
+    mem = task.device_memory_bytes
+    need = lambda rows, dim: task.shard_memory_bytes(table, rows, dim)  # noqa: E731
+    if table.is_sequence or need(table.rows, table.dim) <= mem:
+        return None
+    if table.allows("column_wise") or (task.hosts == 1 and table.allows("table_column_wise")):
+        width = table.dim
+        while (need(table.rows, width) > mem >> shrink and width % (2 * DIM_ALIGNMENT) == 0
+               and width // 2 >= table.narrowest_column_piece()):
+            width //= 2
+        if need(table.rows, width) <= mem:
+            return "column", width
+    per_host = task.devices_per_host or task.num_devices
+    options = ([("row_wise", task.num_devices)] if table.allows("row_wise") or
+               (task.hosts == 1 and table.allows("table_row_wise")) else [])
+    if task.hosts > 1 and table.allows("table_row_wise"):
+        options.append(("table_row_wise", per_host))
+    for kind, n in options:
+        if need(even_row_layout(table.rows, n)[0][1], table.dim) <= mem:
+            return kind, 0
+    return None
 
 
-def reduce_task(task: Task) -> Reduction:
-    """Shape the tables whose constraints leave out table_wise (module docstring)."""
+def fit_kinds(task: Task, shrink: int = 0) -> dict[str, tuple[str, int]]:
+    """`fit_kind` of every table `fixed_kind` leaves to the search that has one."""
+    kinds = fixed_kinds(task)
+    return {t.name: kind for t in task.tables
+            if t.name not in kinds and (kind := fit_kind(task, t, shrink)) is not None}
+
+
+def needs_reduction(task: Task, fit: bool = False) -> bool:
+    """Whether `reduce_task(task, fit)` shapes any table."""
+    return any(not t.allows("table_wise") for t in task.tables) or (fit and bool(fit_kinds(task)))
+
+
+def reduce_task(task: Task, fit: bool = False, shrink: int = 0) -> Reduction:
+    """Shape the tables whose constraints leave out table_wise and, with `fit`, the pooled
+    tables too large for one device (`fit_kind` with `shrink`; module docstring)."""
     d = task.num_devices
     per_host = task.devices_per_host or d
     hosts = [list(range(h, h + per_host)) for h in range(0, d, per_host)]
@@ -124,12 +178,14 @@ def reduce_task(task: Task) -> Reduction:
         return min(hosts, key=lambda h: (max(load[x] for x in h), h))
 
     kinds = fixed_kinds(task)
+    fits = fit_kinds(task, shrink) if fit else {}
     for t in task.tables:
-        kind = kinds.get(t.name)
+        kind, width = kinds.get(t.name), column_slice_width(t)
+        if t.name in fits:
+            kind, width = fits[t.name]
         if kind is None:
             kept.append(t)
         elif kind == "column":
-            width = column_slice_width(t)
             for k, off in enumerate(range(0, t.dim, width)):
                 name = f"{t.name}{SLICE_MARK}{k}"
                 while name in names:
@@ -168,21 +224,24 @@ def reduce_task(task: Task) -> Reduction:
             fixed += pieces
             fixed_tables.append(t.name)
     reserved = max(load)
+    cut = [t.name for t in task.tables if t.name in fits]
+    fixed_by = ("the tables fixed by their sharding_types" if not any(n in fits for n in fixed_tables) else
+                "the tables fixed before the search (by their sharding_types, or cut by rows to fit one device)")
     worst = max(range(d), key=lambda x: load[x])
     if reserved > task.device_memory_bytes:
         on = sorted({s.table for s in fixed if s.device == worst})
         raise InfeasibleError(
-            f"table {on[0]!r}: the tables fixed by their sharding_types ({', '.join(on)}) need {reserved} bytes on "
+            f"table {on[0]!r}: {fixed_by} ({', '.join(on)}) need {reserved} bytes on "
             f"device {worst}, which has {task.device_memory_bytes}: short by {reserved - task.device_memory_bytes} bytes",
             table=on[0], shortfall_bytes=reserved - task.device_memory_bytes)
     sub = None
     if kept:
         if reserved >= task.device_memory_bytes:
             raise InfeasibleError(
-                f"table {kept[0].name!r}: no memory left once the tables fixed by their sharding_types "
+                f"table {kept[0].name!r}: no memory left once {fixed_by} "
                 f"({', '.join(fixed_tables)}) take {reserved} bytes per device", table=kept[0].name)
         sub = dataclasses.replace(task, tables=tuple(kept), device_memory_bytes=task.device_memory_bytes - reserved)
-    return Reduction(sub, fixed, slices, reserved, fixed_tables)
+    return Reduction(sub, fixed, slices, reserved, fixed_tables, cut)
 
 
 def expand(task: Task, reduction: Reduction, plan: Plan | None, algorithm: str) -> Plan:
@@ -217,21 +276,42 @@ def _slice_named(message: str, name: str | None, reduction: Reduction) -> str:
     return message.replace(repr(name), f"{table!r} (its column slice {off}:{off + width})")
 
 
+#: `shard_constrained` cuts a table too large for a device into slices of at most 1/2**k of a
+#: device, k = 0 first, one more halving each time the search finds no plan, up to this k
+MAX_FIT_SHRINK = 3
+
+
 def shard_constrained(sharder, task: Task) -> Plan:
     """`sharder.shard(task)`, with the tables whose constraints leave out table_wise shaped
-    first (module docstring). Raises what the search raises, with the reserved memory named
-    when the search ran short."""
-    if not needs_reduction(task) or sharder.capabilities.made_elsewhere:
+    first and, for a sharder that places whole tables, the pooled tables too large for one
+    device cut (module docstring; where the search then finds no plan, their slices are halved
+    and the search runs again, up to MAX_FIT_SHRINK times). Raises what the search raises, with
+    the reserved memory named when the search ran short."""
+    fit = not sharder.capabilities.splits_tables
+    if sharder.capabilities.made_elsewhere or not needs_reduction(task, fit):
         return sharder.shard(task)
-    reduction = reduce_task(task)
-    plan = None
-    if reduction.task is not None:
+    name = getattr(sharder, "name", "plan")
+    shrink = 0
+    while True:
+        reduction = reduce_task(task, fit, shrink)
+        cut = reduction.cut_to_fit
+        if cut:
+            log.info("%s: %d table(s) too large for one device cut first (%s%s)%s", name, len(cut), ", ".join(cut[:3]),
+                     f" and {len(cut) - 3} more" if len(cut) > 3 else "",
+                     f", in slices within 1/{2 ** shrink} of a device: wider ones did not pack" if shrink else "")
+        if reduction.task is None:
+            return expand(task, reduction, None, name)
         try:
-            plan = sharder.shard(reduction.task)
+            return expand(task, reduction, sharder.shard(reduction.task), name)
         except InfeasibleError as e:
+            if cut and shrink < MAX_FIT_SHRINK and fit_kinds(task, shrink + 1) != fit_kinds(task, shrink):
+                shrink += 1
+                continue
+            also = (f"; {len(cut)} table(s) too large for one device cut first: {', '.join(cut[:3])}"
+                    f"{f' and {len(cut) - 3} more' if len(cut) > 3 else ''}") if cut else ""
+            fixed_how = "fixed before the search" if cut else "fixed by their sharding_types"
             raise InfeasibleError(
                 f"{_slice_named(str(e).splitlines()[0], e.table, reduction)} (each device's memory less "
-                f"{reduction.reserved_bytes} bytes for the tables "
-                f"fixed by their sharding_types: {', '.join(reduction.fixed_tables) or 'column slices only'})",
+                f"{reduction.reserved_bytes} bytes for the tables {fixed_how}: "
+                f"{', '.join(reduction.fixed_tables) or 'column slices only'}{also})",
                 table=reduction.slices.get(e.table or "", (e.table,))[0], shortfall_bytes=e.shortfall_bytes) from None
-    return expand(task, reduction, plan, getattr(sharder, "name", "plan"))

@@ -40,6 +40,7 @@ from embshard.errors import EmbshardError, InputError
 from embshard.plan import Plan, validate
 from embshard.stats import INTERVAL_METHODS, RatioSummary, paired_ratio_summary
 from embshard.search.base import Sharder
+from embshard.search.constrained import shard_constrained
 from embshard.task import Task
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ class MeasuredGuard:
         skipped: dict[str, str] = {}
         for h in self.heuristics:
             try:
-                hp = self._keys[h]().shard(task)
+                hp = shard_constrained(self._keys[h](), task)  # a table too large for a device cut first
                 validate(task, hp)
             except EmbshardError as e:
                 log.debug("%s guard: %s has no valid plan for %s (%s)", self.owner, h, task.name, e)

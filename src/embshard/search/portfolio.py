@@ -38,6 +38,7 @@ from embshard.costs.predictor import DEFAULT_CHECKPOINT, load_models
 from embshard.errors import EmbshardError, InfeasibleError, InputError
 from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities, Sharder
+from embshard.search.constrained import shard_constrained
 from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_sharders
 from embshard.task import Task
 
@@ -178,7 +179,7 @@ class PortfolioSharder(GuardSlot):
             return row | {"valid": False, "error": f"refused: {why}"}, None, None
         t0 = time.perf_counter()
         try:
-            plan = sharder.shard(task)
+            plan = shard_constrained(sharder, task)  # a whole-table member gets tables too large for a device cut
             validate(task, plan)
         except EmbshardError as e:
             return (row | {"valid": False, "error": str(e).splitlines()[0] if str(e) else type(e).__name__,
