@@ -386,6 +386,51 @@ def test_beam_is_skipped_above_beam_max_pieces_whatever_the_device_count():
         sharder(beam_max_pieces=0)
 
 
+def test_without_the_beam_a_table_dearer_alone_than_an_even_share_is_cut_into_column_pieces():
+    """Above the beam's bounds the costliest tables still get one cut (split_above): a table with
+    60x the lookups of the others is halved into equal column pieces on separate devices, and
+    the plan is predicted cheaper than the uncut one; split_above=None keeps it whole."""
+    heavy = Table("heavy", 2000, 64, 240.0)
+    tables = [heavy] + [Table(f"t{i}", 1000, 16, 4.0) for i in range(30)]
+    task = make_task(tables, 8, slack=3.0)
+    whole, cut = sharder(beam_max_pieces=10, split_above=None), sharder(beam_max_pieces=10)
+    p_whole, p_cut = whole.shard(task), cut.shard(task)
+    validate(task, p_cut)
+    assert [s.dim for s in p_whole.shards if s.table == "heavy"] == [64] and "costly_split" not in whole.last_search_info
+    pieces = [s for s in p_cut.shards if s.table == "heavy"]
+    assert len(pieces) >= 2 and len({s.dim for s in pieces}) == 1 and len({s.device for s in pieces}) == len(pieces)
+    info = cut.last_search_info["costly_split"]
+    assert info["kept"] is True and info["tables"] == 1 and info["predicted_ms"][1] < info["predicted_ms"][0]
+    assert info["analytic_ms"][1] < info["analytic_ms"][0]
+    assert simulated(task, p_cut) < simulated(task, p_whole)
+    # where the beam runs, it decides the splits: nothing is cut beside it
+    beam = sharder(beam_max_pieces=None, beam_steps=1)
+    beam.shard(task)
+    assert beam.last_stats["beam"] is True and "costly_split" not in beam.last_search_info
+
+
+def test_the_analytic_check_keeps_the_uncut_plan_where_it_disagrees_with_the_neural_models():
+    """heavy101x8 (docs/neuroshard/tasks): NeuroShard's models put the cut plan 17% cheaper, the
+    analytic model 3% dearer, and measured it was dearer (docs/neuroshard.md); the check keeps the
+    uncut plan, which split_check=None gives up."""
+    task = Task.load(ROOT / "docs" / "neuroshard" / "tasks" / "heavy101x8.json")
+    checked = NeuroShardSharder(verify=0)
+    plan = checked.shard(task)
+    info = checked.last_search_info["costly_split"]
+    assert info["kept"] is False and info["predicted_ms"][1] < info["predicted_ms"][0]
+    assert info["analytic_ms"][1] > info["analytic_ms"][0]
+    assert plan.shards == NeuroShardSharder(verify=0, split_above=None).shard(task).shards
+    unchecked = NeuroShardSharder(verify=0, split_check=None)
+    assert unchecked.shard(task).shards != plan.shards and unchecked.last_search_info["costly_split"]["kept"] is True
+
+
+@pytest.mark.parametrize("bad", [{"split_above": 0}, {"split_above": -1.0}, {"split_above": "1"},
+                                 {"split_above": True}, {"split_above": float("inf")}, {"split_check": "neural"}])
+def test_bad_split_settings_are_input_errors(bad):
+    with pytest.raises(InputError, match=f"neuroshard: {next(iter(bad))} must be"):
+        sharder(**bad)
+
+
 def test_row_splits_never_leave_a_device_an_empty_block():
     """TorchRec's even row layout of 114 rows over 16 devices is 14 blocks of 8, one of 2 and
     one EMPTY; the beam used to offer that split for a small, lookup-heavy table, and the empty

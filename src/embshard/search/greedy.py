@@ -368,10 +368,18 @@ class GreedyPartitioner:
     def plans(self, name: str) -> list[tuple[Plan, float]]:
         """The `top_k` distinct plans found (normalised), cheapest predicted first, with the
         predicted cost the partitioner saw."""
-        out = []
-        for _, _, c in self._top:
-            pieces = self.book.pieces_of(c.state)
-            shards = [Shard(p.table.name, dev, p.spec[1], p.dim, p.shard.row_offset, p.shard.rows)
-                      for p, dev in sorted(zip(pieces, c.devices), key=lambda x: x[0].spec)]
-            out.append((normalize(self.task, Plan(self.task.name, name, shards)), c.cost_ms))
-        return out
+        return [(self.plan_of(self.book.pieces_of(c.state), c.devices, name), c.cost_ms) for _, _, c in self._top]
+
+    def plan_of(self, pieces: Sequence[Piece], devices: Sequence[int], name: str) -> Plan:
+        """The plan (normalised) of `pieces` on `devices` (a GreedyResult's, say)."""
+        shards = [Shard(p.table.name, dev, p.spec[1], p.dim, p.shard.row_offset, p.shard.rows)
+                  for p, dev in sorted(zip(pieces, devices), key=lambda x: x[0].spec)]
+        return normalize(self.task, Plan(self.task.name, name, shards))
+
+    def remembered(self) -> list[tuple[float, tuple, Candidate]]:
+        """The plans remembered so far (for `restore`)."""
+        return list(self._top)
+
+    def restore(self, remembered: list[tuple[float, tuple, Candidate]]) -> None:
+        """Remember only `remembered` again: a proposer turned down what it tried since."""
+        self._top = list(remembered)

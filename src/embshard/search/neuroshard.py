@@ -23,6 +23,16 @@ wins. When the table-wise greedy cannot fit the task, the offending table's larg
 halved until it fits (or cannot be halved further: InfeasibleError naming the table and the
 shortfall).
 
+Where the beam does not run (`beam_allowed`), the costliest tables still get one cut
+(`split_above`, as DreamShard's and AutoShard's `split_columns`): every whole piece whose predicted
+cost alone exceeds `split_above` times an even share of the summed single-piece costs is halved
+into 2, 4, ... equal column pieces (within its constraints, no more than devices) until each share
+is below that, and the greedy runs once on that piece set at the best cap. Its plan is kept only
+where the search's models predict it cheaper and, with `split_check="analytic"`, the analytic
+model (`AnalyticCostModel`) does too: on CPU the neural models over-value column slices of a
+heavy table (a slice repeats the table's lookups; docs/neuroshard.md), the analytic model prices
+that repetition. report.json: `search_info.costly_split`.
+
 Every plan comes out normalised (`embshard.plan.normalize`: a table's pieces on one device
 merged) and is costed as normalised. The search keeps its `top_k` best distinct plans.
 
@@ -43,6 +53,7 @@ the first bound, took 28.7 s with the beam and 0.24 s without it (docs/neuroshar
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import Any, Sequence
@@ -71,6 +82,9 @@ log = logging.getLogger(__name__)
 
 #: the beam runs only on tasks of at most this many pieces (its ~800 greedy runs cost ~0.2 ms a piece each)
 BEAM_MAX_PIECES = 64
+#: without the beam, pieces predicted dearer alone than this many even shares are cut (`split_above`)
+SPLIT_ABOVE = 1.0
+SPLIT_CHECKS = ("analytic", None)
 
 __all__ = ["BEAM_MAX_PIECES", "BUILD_COMMAND", "Candidate", "DEFAULT_CAPS", "DEFAULT_CHECKPOINT", "GreedyResult", "GuardResult",
            "INCREMENTAL_MIN_DEVICES", "NeuroShardSearch", "NeuroShardSharder", "ROOT", "halve", "heuristic_sharders",
@@ -99,9 +113,15 @@ class NeuroShardSearch:
         max_candidates: int | None = MAX_CANDIDATE_DEVICES,
         grid_max_work: int | None = GRID_MAX_WORK,
         beam_max_pieces: int | None = BEAM_MAX_PIECES,
+        split_above: float | None = SPLIT_ABOVE,
+        split_check: str | None = "analytic",
     ):
         if not caps:
             raise InputError("neuroshard: caps must not be empty")
+        self.split_above = split_above
+        self.split_check = split_check
+        #: what the cut of the costliest tables did where the beam did not run (None: not tried)
+        self.costly_split: dict[str, Any] | None = None
         self.task = task
         self.sim = simulator
         self.beam_width = int(beam_width)
@@ -233,6 +253,59 @@ class NeuroShardSearch:
                             raise
                 raise
 
+    def costliest_cut(self, state: tuple[PieceSpec, ...]) -> tuple[tuple[PieceSpec, ...], list[str]]:
+        """(`state` with every free piece whose predicted cost alone exceeds `split_above` x an
+        even share halved into equal column pieces until each share is below it, the tables cut);
+        see the module docstring."""
+        pieces = self.pieces_of(state)
+        limit = self.split_above * sum(p.single_ms for p in pieces) / self.task.num_devices
+        out, cut = state, []
+        for p in sorted(pieces, key=lambda p: (-p.single_ms, p.spec)):
+            if p.fixed != FREE or p.single_ms <= limit or not self.may_halve(p.spec):
+                continue
+            want = min(2 ** math.ceil(math.log2(p.single_ms / limit)), self.task.num_devices)
+            parts = [p.spec]
+            while 2 * len(parts) <= want and all(self.may_halve(q) for q in parts):
+                for q in parts:
+                    out = halve(out, q)
+                half = parts[0][2] // 2
+                parts = [(q[0], q[1] + k * half, half, FREE, 0) for q in parts for k in (0, 1)]
+            if len(parts) > 1:
+                cut.append(p.spec[0])
+        return out, cut
+
+    def split_costliest(self, state: tuple[PieceSpec, ...],
+                        best: GreedyResult) -> tuple[tuple[PieceSpec, ...], GreedyResult]:
+        """`costliest_cut` of `state`, planned by one greedy run at `best`'s cap, kept where it
+        is predicted cheaper (and, with split_check, the analytic model agrees); else `state`."""
+        if self.split_above is None or not self.column_wise:
+            return state, best
+        split, cut = self.costliest_cut(state)
+        if not cut:
+            return state, best
+        kept = self.partitioner.remembered()
+        try:
+            got = self.greedy(split, (best.cap,))
+        except InfeasibleError:
+            self.partitioner.restore(kept)
+            self.costly_split = {"tables": len(cut), "kept": False, "why": "no plan fits"}
+            return state, best
+        info: dict[str, Any] = {"tables": len(cut), "predicted_ms": [best.cost_ms, got.cost_ms]}
+        ok = got.cost_ms < best.cost_ms
+        if ok and self.split_check == "analytic":
+            from embshard.costs.analytic import AnalyticCostModel
+
+            judge = AnalyticCostModel()
+            whole, cuts = (judge.device_costs(self.task, self.partitioner.plan_of(r.pieces, r.devices, "check"))
+                           .plan_cost_ms for r in (best, got))
+            info["analytic_ms"] = [whole, cuts]
+            ok = cuts < whole
+        self.costly_split = {**info, "kept": ok}
+        if not ok:
+            self.partitioner.restore(kept)
+            return state, best
+        return split, got
+
     def beam_allowed(self, state: tuple[PieceSpec, ...]) -> bool:
         if not (self.column_wise or self.row_wise) or self.beam_steps <= 0 or self.beam_width <= 0 or self.candidates <= 0:
             return False
@@ -274,7 +347,7 @@ class NeuroShardSearch:
         state, best = self.rescue(state)
         best_state = state
         if not self.beam_allowed(state):
-            return best_state, best
+            return self.split_costliest(state, best)
         self.beam_ran = True
         beam = [(best.cost_ms, state, best.cap)]
         seen = {state}
@@ -364,6 +437,11 @@ class NeuroShardSharder(GuardSlot):
         trace_histograms: "replay": a traced table is searched with the reuse histogram of its
             replay at the task's batch, as the evaluator measures it (`features.replayed_table`);
             "given": with the histogram the task gives (the behaviour before 2026-11-27).
+        split_above: where the beam does not run, cut the pieces predicted dearer alone than this
+            many even shares into column pieces and keep that plan where it is predicted cheaper
+            (module docstring); None: never (the behaviour before 2026-12-01).
+        split_check: "analytic": that plan is kept only where the analytic cost model also puts
+            it below the uncut one; None: the search's models alone decide.
     """
 
     #: cost models of pooled kernels; splits columns and rows
@@ -397,7 +475,16 @@ class NeuroShardSharder(GuardSlot):
         grid_max_work: int | None = GRID_MAX_WORK,
         trace_histograms: str = "replay",
         beam_max_pieces: int | None = BEAM_MAX_PIECES,
+        split_above: float | None = SPLIT_ABOVE,
+        split_check: str | None = "analytic",
     ):
+        if split_above is not None and (isinstance(split_above, bool) or not isinstance(split_above, (int, float))
+                                        or not np.isfinite(split_above) or split_above <= 0):
+            raise InputError(f"neuroshard: split_above must be a positive number or null, got {split_above!r}")
+        if split_check not in SPLIT_CHECKS:
+            raise InputError(f"neuroshard: split_check must be analytic or null, got {split_check!r}")
+        self.split_above = None if split_above is None else float(split_above)
+        self.split_check = split_check
         if trace_histograms not in TRACE_HISTOGRAMS:
             raise InputError(f"neuroshard: trace_histograms must be replay or given, got {trace_histograms!r}")
         self.trace_histograms = trace_histograms
@@ -485,7 +572,7 @@ class NeuroShardSharder(GuardSlot):
             beam_steps=self.beam_steps, candidates=self.candidates, column_wise=self.column_wise,
             row_wise=self.row_wise, beam_max_work=self.beam_max_work, incremental=self.incremental,
             top_k=max(1, self.verify_count), max_candidates=self.max_candidates, grid_max_work=self.grid_max_work,
-            beam_max_pieces=self.beam_max_pieces,
+            beam_max_pieces=self.beam_max_pieces, split_above=self.split_above, split_check=self.split_check,
         )
 
     def predicted_costs(self, task: Task, plan: Plan) -> DeviceCosts:
@@ -512,6 +599,8 @@ class NeuroShardSharder(GuardSlot):
         self.last_search_seconds = time.perf_counter() - start
         # beam false: the task was over beam_max_work (table-wise grid and memory-forced splits only)
         self.last_search_info = {**self.models().info, "beam": search.beam_ran}
+        if search.costly_split is not None:  # the beam did not run and the costliest tables were cut
+            self.last_search_info["costly_split"] = search.costly_split
         fallbacks = search.sim.predictor.fallbacks if isinstance(search.sim.predictor, BatchCostModels) else None
         if fallbacks:  # the search's all-to-alls the comm models could not be trusted on
             self.last_search_info["comm_fallbacks"] = dict(fallbacks)
