@@ -29,9 +29,9 @@ cost alone exceeds `split_above` times an even share of the summed single-piece 
 into 2, 4, ... equal column pieces (within its constraints, no more than devices) until each share
 is below that, and the greedy runs once on that piece set at the best cap. Its plan is kept only
 where the search's models predict it cheaper and, with `split_check="analytic"`, the analytic
-model (`AnalyticCostModel`) does too: on CPU the neural models over-value column slices of a
-heavy table (a slice repeats the table's lookups; docs/neuroshard.md), the analytic model prices
-that repetition. report.json: `search_info.costly_split`.
+model (`AnalyticCostModel`) does too: on CPU the neural models have put such a cut well below what
+was measured (heavy101x8, docs/neuroshard.md), where the analytic model, which charges every slice
+the table's lookups again, was nearer. report.json: `search_info.costly_split`.
 
 Every plan comes out normalised (`embshard.plan.normalize`: a table's pieces on one device
 merged) and is costed as normalised. The search keeps its `top_k` best distinct plans.
