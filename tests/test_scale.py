@@ -13,6 +13,7 @@ import torch
 
 from embshard import Table, Task, validate
 from embshard.costs.analytic import AnalyticCostModel
+from embshard.errors import InfeasibleError
 from embshard.costs.neural import NeuralCostModels
 from embshard.costs.neural.models import FAR_FACTOR
 from embshard.costs.predictor import AnalyticPredictor
@@ -285,6 +286,59 @@ def test_ledger_lookahead_agrees_with_first_fit_decreasing_from_scratch():
             if not room:
                 break
             ledger.take(int(rng.choice(room)), needs[i])
+
+
+def _proof_holds(ledger: MemoryLedger) -> None:
+    """The ledger's carried proof is a packing: every pending piece on a device, and each
+    device's slack its free bytes less the pending bytes the proof puts there, never negative."""
+    ahead = ledger._ahead
+    if not ahead.valid or not ahead.num_pending:
+        return
+    assert (ahead.assign[ahead.pending] >= 0).all()
+    held = np.bincount(ahead.assign[ahead.pending], weights=ahead.needs[ahead.pending], minlength=len(ledger.free))
+    np.testing.assert_array_equal(ahead.slack, np.array(ledger.free) - held.astype(np.int64))
+    assert (ahead.slack >= 0).all()
+
+
+def test_ledger_mends_its_proof_under_tight_memory_instead_of_repacking():
+    """A harsh task's shape: most devices are held by the proof for one piece of nearly a
+    device each (no slack elsewhere holds one), and a greedy puts small pieces on the lowest
+    devices first. Such a placement mends the proof (the big piece moves to a device whose small
+    pieces move elsewhere first) instead of repacking every pending piece, the proof stays a
+    packing after every step, and every piece is placed within memory."""
+    rng = np.random.default_rng(7)
+    d, cap = 48, 1000
+    big = [990] * 40
+    small = rng.integers(5, 60, size=300).tolist()
+    while sum(big) + sum(small) > 0.9 * d * cap:
+        small.pop()
+    needs = big + small
+    tables = tuple(Table(f"t{i}", 1, 4, 1.0) for i in range(len(needs)))
+    ledger = MemoryLedger(Task("tight", d, cap, 1, tables), pending=needs)
+    order = sorted(range(len(needs)), key=lambda i: (needs[i] == 990, rng.random()))  # small pieces first
+    for i in order:
+        ledger.place(tables[i], needs[i], range(d))
+        _proof_holds(ledger)
+    assert min(ledger.free) >= 0 and sum(ledger.free) == d * cap - sum(needs)
+    assert ledger._ahead.mends > 0 and ledger._ahead.repacks == 0
+
+
+def test_ledger_proof_stays_a_packing_through_random_placements():
+    """Random ledgers placed by `place` with random preferences: after every placement the carried
+    proof, whether kept, mended or repacked, is a packing of the pending pieces."""
+    rng = np.random.default_rng(11)
+    for _ in range(80):
+        d = int(rng.integers(2, 9))
+        needs = sorted(rng.integers(1, 40, size=int(rng.integers(3, 30))).tolist(), reverse=True)
+        cap = int(max(max(needs), rng.uniform(1.0, 1.4) * sum(needs) / d))
+        tables = tuple(Table(f"t{i}", 1, 4, 1.0) for i in range(len(needs)))
+        ledger = MemoryLedger(Task("r", d, cap, 1, tables), pending=needs)
+        for i in rng.permutation(len(needs)).tolist():
+            try:
+                ledger.place(tables[i], needs[i], rng.permutation(d).tolist())
+            except InfeasibleError:
+                break
+            _proof_holds(ledger)
 
 
 def _ffd(free: list[int], needs: list[int]) -> bool:

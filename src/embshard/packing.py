@@ -5,15 +5,16 @@ placed packable, in O(1) per placement while a carried proof stays valid.
 the devices' free memory (first-fit decreasing, or worst-fit decreasing: each piece on the
 device with the most room left, which spreads the pending pieces and leaves slack on every
 device). Placing a piece on a device whose slack under that assignment has room keeps the
-proof valid in O(1); otherwise the pending pieces are repacked from scratch.
+proof valid in O(1); otherwise the pending pieces are repacked from scratch (or, under the
+ledger's rule, the proof is first mended: the pieces it holds on that device moved to others).
 
 Two callers, two rules:
 * the greedy partitioner (`choose`): the first preferred device that keeps the rest packable;
-  the proof is repacked for the most preferred device, then the others are tried by slack,
-  then by repacking (`embshard.search.greedy`);
+  the proof is mended, else repacked, for the most preferred device, then the others are tried
+  by slack, then by repacking (`embshard.search.greedy`);
 * `embshard.plan.MemoryLedger` (`forget`, `packs_after`, `took`): every heuristic's and RL
-  policy's placements; a device is accepted when the proof's slack has room or first-fit
-  decreasing from scratch packs the rest.
+  policy's placements; a device is accepted when the proof's slack has room, when the proof
+  mended holds it (`_repair`), or when first-fit decreasing from scratch packs the rest.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class LookAhead:
         self.slack = np.asarray(free, dtype=np.int64).copy()
         self.valid = self._repack(np.asarray(free, dtype=np.int64))
         self.repacks = 0
+        self.mends = 0  # proofs mended instead of repacked (`_repair`)
+        self._mends: dict[tuple[int, int], tuple[np.ndarray, np.ndarray] | None] = {}  # this state's
 
     # ------------------------------------------------------------------ packing
     def _pack(self, free: np.ndarray, fit: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -82,7 +85,10 @@ class LookAhead:
             # device, -room << shift | device (ints compare faster than tuples)
             shift = max(1, len(free) - 1).bit_length()
             mask = (1 << shift) - 1
-            heap = [(-int(x) << shift) | j for j, x in enumerate(free)]
+            if int(np.max(free)) < 1 << (62 - shift):  # the keys fit in int64: built in numpy
+                heap = ((-np.asarray(free, dtype=np.int64) << shift) | np.arange(len(free))).tolist()
+            else:
+                heap = [(-int(x) << shift) | j for j, x in enumerate(free)]
             heapq.heapify(heap)
             needs = self._needs_list
             to: list[int] = []
@@ -136,6 +142,7 @@ class LookAhead:
         """An independent copy of the proof (the pieces' sizes shared: they never change)."""
         new = copy.copy(self)
         new.pending, new.assign, new.slack = self.pending.copy(), self.assign.copy(), self.slack.copy()
+        new._mends = dict(self._mends)
         return new
 
     def _repack(self, free: np.ndarray) -> bool:
@@ -150,6 +157,7 @@ class LookAhead:
         """Piece `i` is being placed: it is no longer pending (its slot in the proof is free)."""
         if not self.pending[i]:
             return
+        self._mends = {}
         self.pending[i] = False
         self.num_pending -= 1
         if self.valid:
@@ -176,6 +184,7 @@ class LookAhead:
             return room
 
         was_valid = self.valid
+        self._mends = {}  # the ledger rule's cache: this rule changes the proof
         self.forget(i)
         # free bytes of the devices whose repack failed: a device with the same free bytes fails
         # too (the pending pieces pack into the same multiset of rooms), so it is not repacked
@@ -184,6 +193,12 @@ class LookAhead:
             first = room[0]
             if self.slack[first] >= need:
                 self.slack[first] -= need
+                return first
+            mended = self._repair(first, need)
+            self._mends = {}
+            if mended is not None:
+                self.mends += 1
+                self.assign, self.slack = mended
                 return first
             self.repacks += 1
             if self._repack_after(free, first, need):
@@ -218,11 +233,86 @@ class LookAhead:
         return self._repack(f)
 
     # ------------------------------------------------------------------ the ledger's rule
+    def _repair(self, device: int, need: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The proof with `need` more bytes used on `device`, mended instead of repacked: the
+        pending pieces it holds on `device` move off (`_evict`) until `device`'s slack holds
+        `need`. (assignment, slack), the slack already less `need` on `device`; None when the
+        moves fall short (a repack from scratch may still find a packing). Every move puts a
+        piece where the proof has room for it, so the mended proof is valid. A piece placed on
+        another device than the proof held it frees its slot there, so the usual mend is a
+        swap; under tight memory, where the slack seldom holds a piece and a device may be
+        held for one piece of nearly its size, that piece goes to a device whose own pending
+        pieces move elsewhere first (one link of a chain). O(pieces on the devices touched x
+        devices), not O(pieces): it spares a repack of every pending piece at almost every
+        placement there."""
+        if not self.valid:
+            return None
+        key = (device, need)
+        if key in self._mends:
+            return self._mends[key]
+        assign, slack = self.assign.copy(), self.slack.copy()
+        where, sizes = assign[self.pending], self.needs[self.pending]
+        if int(sizes.sum()) < 1 << 53:  # pending bytes the proof holds per device; exact in float64
+            held = np.bincount(where, weights=sizes, minlength=len(slack)).astype(np.int64)
+        else:
+            held = np.zeros(len(slack), dtype=np.int64)
+            np.add.at(held, where, sizes)
+        got = None
+        if self._evict(assign, slack, held, device, need - int(slack[device]), {device}, chain=1):
+            slack[device] -= need
+            got = assign, slack
+        self._mends[key] = got
+        return got
+
+    def _evict(self, assign: np.ndarray, slack: np.ndarray, held: np.ndarray, device: int, deficit: int,
+               keep: set[int], chain: int) -> bool:
+        """Move pending pieces off `device` in (assign, slack, held), largest first, until its
+        slack grew by `deficit`: each to the device outside `keep` with the most slack when that
+        holds it, else (while `chain` > 0) to the device outside `keep` with the most slack among
+        those whose slack and pending bytes together hold it, once its own pieces moved off
+        enough to make room. Whether the deficit was met; moves made before a failure stay
+        (each keeps the proof valid)."""
+        if deficit <= 0:
+            return True
+        if held[device] < deficit:
+            return False
+        on = np.flatnonzero(self.pending & (assign == device))
+        blocked = list(keep)
+        for k in on[np.argsort(-self.needs[on], kind="stable")].tolist():
+            size = self._needs_list[k]
+            saved = slack[blocked].copy()
+            slack[blocked] = np.iinfo(np.int64).min  # never a target
+            to = int(slack.argmax())
+            fits = slack[to] >= size
+            if not fits and chain > 0:  # of the devices that could make room, the one with most slack
+                could = np.where(slack + held >= size, slack, np.iinfo(np.int64).min)
+                could[blocked] = np.iinfo(np.int64).min
+                to = int(could.argmax())
+                fits = could[to] > np.iinfo(np.int64).min
+            slack[blocked] = saved
+            if not fits:
+                continue
+            if slack[to] < size and not self._evict(assign, slack, held, to, size - int(slack[to]), keep | {to},
+                                                    chain - 1):
+                continue
+            slack[to] -= size
+            held[to] += size
+            slack[device] += size
+            held[device] -= size
+            assign[k] = to
+            deficit -= size
+            if deficit <= 0:
+                return True
+        return False
+
     def packs_after(self, free: Sequence[int], device: int, need: int) -> bool:
         """Whether the pending pieces still pack once `need` more bytes are used on `device`
-        (the piece placed already forgotten): by the proof's slack, else by first-fit
-        decreasing from scratch. Changes nothing."""
+        (the piece placed already forgotten): by the proof's slack, else by the proof mended
+        (`_repair`), else by first-fit decreasing from scratch. Changes nothing but a cache
+        of the mends `took` may adopt."""
         if self.num_pending == 0 or (self.valid and self.slack[device] >= need):
+            return True
+        if self._repair(device, need) is not None:
             return True
         f = np.array(free, dtype=np.int64)
         f[device] -= need
@@ -230,9 +320,16 @@ class LookAhead:
 
     def took(self, free_after: Sequence[int], device: int, need: int) -> None:
         """`need` bytes were taken on `device` (`free_after`: free bytes now): keep the proof,
-        or repack it on the memory as it is now."""
+        mend it, or repack it on the memory as it is now."""
         if self.valid and self.slack[device] >= need:
             self.slack[device] -= need
+            self._mends = {}
+            return
+        mended = self._repair(device, need)
+        self._mends = {}
+        if mended is not None:
+            self.mends += 1
+            self.assign, self.slack = mended
             return
         self.repacks += 1
         f = np.array(free_after, dtype=np.int64)

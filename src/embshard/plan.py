@@ -469,8 +469,9 @@ class MemoryLedger:
             pending pieces still pack, so a greedy order does not strand a big table that a
             table-wise plan has room for. The ledger carries a packing of the pending pieces
             (worst-fit decreasing, `embshard.packing.LookAhead`) and keeps it in O(1) per
-            placement while the device taken has slack under it; otherwise first-fit
-            decreasing from scratch decides.
+            placement while the device taken has slack under it; otherwise it mends the
+            packing (moves the pending pieces it holds there to other devices) or, failing
+            that, first-fit decreasing from scratch decides.
     """
 
     def __init__(self, task: Task, pending: Iterable[int] = ()):
