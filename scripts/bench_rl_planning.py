@@ -20,6 +20,7 @@ the network's is over 10x off it) beside the analytic model's estimate of the sa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import statistics
 import time
@@ -50,6 +51,10 @@ def main() -> None:
                     help="cost-model checkpoint that picks split or whole (conf/search's default); 'none': the policy's network")
     ap.add_argument("--no-histograms", action="store_true",
                     help="drop the tables' reuse histograms (a user's tables: the searchers impute them)")
+    ap.add_argument("--batch", type=int, default=None, help="the task's batch instead of the bench's")
+    ap.add_argument("--memory-share", type=float, default=None, metavar="F",
+                    help="each device's memory F x an even share of the tables' memory (1.5: the harsh "
+                         "variant of docs/portfolio.md, where some tables fit no single device)")
     ap.add_argument("--save-task", default=None, metavar="PATH",
                     help="write the task JSON (after --no-histograms) to PATH and stop (for shard.py)")
     args = ap.parse_args()
@@ -58,6 +63,12 @@ def main() -> None:
     task, warm = planning_bench_tasks(args.tables, args.devices, ROOT / "data", trace_batch=args.trace_batch, seed=args.seed)
     if args.no_histograms:
         task = without_histograms(task)
+    if args.batch is not None:
+        task = dataclasses.replace(task, batch_size=args.batch)
+    if args.memory_share is not None:
+        if args.memory_share <= 0:
+            ap.error(f"--memory-share must be positive, got {args.memory_share}")
+        task = dataclasses.replace(task, device_memory_bytes=int(args.memory_share * task.tables_memory_bytes() / task.num_devices))
     if args.save_task:
         task.save(args.save_task)
         print(f"wrote {args.save_task}")
