@@ -5,13 +5,14 @@ placed packable, in O(1) per placement while a carried proof stays valid.
 the devices' free memory (first-fit decreasing, or worst-fit decreasing: each piece on the
 device with the most room left, which spreads the pending pieces and leaves slack on every
 device). Placing a piece on a device whose slack under that assignment has room keeps the
-proof valid in O(1); otherwise the pending pieces are repacked from scratch (or, under the
-ledger's rule, the proof is first mended: the pieces it holds on that device moved to others).
+proof valid in O(1); otherwise the pending pieces are repacked from scratch (under the ledger's
+rule the proof is first mended: the pieces it holds on that device moved to others).
 
 Two callers, two rules:
 * the greedy partitioner (`choose`): the first preferred device that keeps the rest packable;
-  the proof is mended, else repacked, for the most preferred device, then the others are tried
-  by slack, then by repacking (`embshard.search.greedy`);
+  the proof is repacked for the most preferred device, then the others are tried by slack,
+  then by repacking (`embshard.search.greedy`). It does not mend: a mend there changed
+  NeuroShard's plans on tight tasks (which device the later steps try depends on the proof);
 * `embshard.plan.MemoryLedger` (`forget`, `packs_after`, `took`): every heuristic's and RL
   policy's placements; a device is accepted when the proof's slack has room, when the proof
   mended holds it (`_repair`), or when first-fit decreasing from scratch packs the rest.
@@ -184,7 +185,7 @@ class LookAhead:
             return room
 
         was_valid = self.valid
-        self._mends = {}  # the ledger rule's cache: this rule changes the proof
+        self._mends = {}  # the ledger rule's cache of mends: this rule changes the proof
         self.forget(i)
         # free bytes of the devices whose repack failed: a device with the same free bytes fails
         # too (the pending pieces pack into the same multiset of rooms), so it is not repacked
@@ -193,12 +194,6 @@ class LookAhead:
             first = room[0]
             if self.slack[first] >= need:
                 self.slack[first] -= need
-                return first
-            mended = self._repair(first, need)
-            self._mends = {}
-            if mended is not None:
-                self.mends += 1
-                self.assign, self.slack = mended
                 return first
             self.repacks += 1
             if self._repack_after(free, first, need):
