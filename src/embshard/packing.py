@@ -53,7 +53,8 @@ class LookAhead:
         self.valid = self._repack(np.asarray(free, dtype=np.int64))
         self.repacks = 0
         self.mends = 0  # proofs mended instead of repacked (`_repair`)
-        self._mends: dict[tuple[int, int], tuple[np.ndarray, np.ndarray] | None] = {}  # this state's
+        # mends of the proof as it is now, by (device, need), for `took` to adopt; cleared when it changes
+        self._mends: dict[tuple[int, int], tuple[np.ndarray, np.ndarray] | None] = {}
 
     # ------------------------------------------------------------------ packing
     def _pack(self, free: np.ndarray, fit: str) -> tuple[np.ndarray, np.ndarray] | None:
