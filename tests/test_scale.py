@@ -224,6 +224,81 @@ def test_look_ahead_on_many_devices_packs_as_plain_decreasing_fit(fit):
     assert seen == {True, False}  # both verdicts were checked
 
 
+def _worst_fit_one_at_a_time(free: np.ndarray, needs: np.ndarray, pending: np.ndarray) -> dict | None:
+    f = free.astype(np.int64).copy()
+    want = {}
+    for k in np.argsort(-needs, kind="stable"):
+        if pending[k]:
+            j = int(np.argmax(f))  # the most room, the lowest index among equals
+            if f[j] < needs[k]:
+                return None
+            f[j] -= needs[k]
+            want[int(k)] = j
+    return {"assign": want, "slack": f}
+
+
+@pytest.mark.parametrize("shape", ["even", "one_roomy", "leapfrog", "early_fail", "huge"])
+def test_worst_fit_by_rounds_is_worst_fit_one_piece_at_a_time(shape, monkeypatch):
+    """Worst fit on many devices places pieces by rounds in numpy (a run on the roomiest device,
+    or a piece on each of the roomiest devices in turn) and hands over to the heap where rounds
+    place few pieces; every shape gives one-piece-at-a-time's assignment, slack and verdict, and
+    the shapes reach the paths they are meant to (the heap only for leapfrogging devices and
+    for sizes whose keys overflow int64)."""
+    heap_from = []
+    real = LookAhead._worst_fit_heap
+
+    def spy(self, free, todo, assign, shift, heap=None, start=0, to=None):
+        heap_from.append(start)
+        return real(self, free, todo, assign, shift, heap=heap, start=start, to=to)
+
+    monkeypatch.setattr(LookAhead, "_worst_fit_heap", spy)
+    rng = np.random.default_rng(11)
+    verdicts = set()
+    for trial in range(40):
+        d = int(rng.integers(40, 300))
+        cap = 10**6
+        if shape == "even":  # equal rooms, small pieces, some equal, about full (a tenth not
+            # pending): some fail late
+            free = np.full(d, cap)
+            needs = (cap * rng.pareto(2.0, size=int(rng.integers(20 * d, 40 * d))) / 100).astype(np.int64) + 1
+            needs[: len(needs) // 5] = needs[len(needs) // 5]
+            needs = np.clip(needs * (rng.uniform(1.06, 1.16) * d * cap / needs.sum()), 1, cap).astype(np.int64)
+        elif shape == "one_roomy":  # one device with most of the memory takes long runs
+            free = rng.integers(0, cap // 100, size=d)
+            free[int(rng.integers(d))] = 50 * cap
+            needs = rng.integers(1, cap // 50, size=int(rng.integers(d, 6 * d)))
+        elif shape == "leapfrog":  # two roomy devices trade the lead piece after piece
+            free = np.zeros(d, dtype=np.int64)
+            free[3], free[7] = cap, cap - 1
+            needs = np.full(int(rng.integers(200, 600)), int(rng.integers(1, cap // 1000)))
+        elif shape == "early_fail":  # tight: a few big pieces decide
+            free = rng.integers(cap // 2, cap, size=d)
+            needs = np.concatenate([rng.integers(cap // 2, cap, size=d), rng.integers(1, cap // 10, size=3 * d)])
+        else:  # rooms so large their keys would overflow int64
+            free = np.full(d, 1 << 60) - rng.integers(0, 1 << 40, size=d)
+            needs = rng.integers(1 << 50, 1 << 56, size=int(rng.integers(d, 3 * d)))
+        pending = rng.random(len(needs)) < 0.9
+        ahead = LookAhead(np.full(d, 1 << 62), needs.tolist(), fit="first")
+        ahead.pending[:] = pending
+        got = ahead._pack(free, "worst")
+        want = _worst_fit_one_at_a_time(free, needs, pending)
+        verdicts.add(want is not None)
+        if want is None:
+            assert got is None
+            continue
+        assert got is not None
+        assign, slack = got
+        assert {k: int(assign[k]) for k in want["assign"]} == want["assign"]
+        np.testing.assert_array_equal(slack, want["slack"])
+    if shape == "leapfrog":
+        assert heap_from and min(heap_from) > 0  # handed over part-way
+    elif shape == "huge":
+        assert heap_from and set(heap_from) == {0}
+    else:
+        assert not heap_from
+    assert verdicts == {"even": {True, False}, "early_fail": {False}}.get(shape, {True})
+
+
 def test_ledger_lookahead_keeps_the_rest_packable_and_rescues_a_stranded_table():
     """Two devices of 10; pending 6, 5, 5, 4: placing 6 and then 5 on the emptier device
     would strand the other 5 (6+4 | 5+5 is the only packing). The ledger's look-ahead finds it,

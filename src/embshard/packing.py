@@ -61,12 +61,12 @@ class LookAhead:
         """(assignment, slack) of the pending pieces in decreasing size into `free`; None when
         one does not fit."""
         assign = self.assign.copy()
-        todo = self._desc[self.pending[self._desc]].tolist()
+        todo = self._desc[self.pending[self._desc]]
         worst = fit == "worst"
         if len(free) <= 32:  # a plain scan beats numpy on a few devices
             fl = [int(x) for x in free]
             needs = self._needs_list
-            for k in todo:
+            for k in todo.tolist():
                 need = needs[k]
                 if worst:
                     j = max(range(len(fl)), key=fl.__getitem__)
@@ -83,32 +83,113 @@ class LookAhead:
                 else:
                     return None
             return assign, np.array(fl, dtype=np.int64)
-        if worst:  # a heap of the devices by most room, lowest index among equals: one int per
-            # device, -room << shift | device (ints compare faster than tuples)
-            shift = max(1, len(free) - 1).bit_length()
-            mask = (1 << shift) - 1
-            if int(np.max(free)) < 1 << (62 - shift):  # the keys fit in int64: built in numpy
-                heap = ((-np.asarray(free, dtype=np.int64) << shift) | np.arange(len(free))).tolist()
-            else:
-                heap = [(-int(x) << shift) | j for j, x in enumerate(free)]
-            heapq.heapify(heap)
-            needs = self._needs_list
-            to: list[int] = []
-            for k in todo:
-                key = heap[0]
-                need = needs[k]
-                if -(key >> shift) < need:
-                    return None
-                heapq.heapreplace(heap, key + (need << shift))
-                to.append(key & mask)
-            assign[todo] = to
-            f = np.zeros(len(free), dtype=np.int64)
-            for key in heap:
-                f[key & mask] = -(key >> shift)
-            return assign, f
+        if worst:
+            return self._worst_fit(free, todo, assign)
         return self._first_fit(free, todo, assign)
 
-    def _first_fit(self, free: np.ndarray, todo: list[int], assign: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    def _worst_fit(self, free: np.ndarray, todo: np.ndarray, assign: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Worst-fit decreasing on many devices (each piece on the device with the most room,
+        the lowest index among equals), by rounds in numpy, with a heap for what rounds do not
+        place fast. Each device has one int key, room << shift | (mask - index): the highest key
+        is the device the next piece takes. A round starts from the keys sorted, highest first,
+        and places in one go either a run of pieces on the first device (while its room after
+        each stays above the second's key: a cumulative sum) or one piece on each of the first
+        devices in turn (while each device's key stays above every key already lowered this
+        round: a running maximum). Either way each piece goes where one piece at a time would
+        put it, so the assignment, slack and verdict are plain worst-fit decreasing's. Under
+        tight memory a successful repack of thousands of pieces takes a dozen rounds; where
+        rounds place few pieces each (devices leapfrogging), the rest goes through the heap."""
+        m = len(free)
+        shift = max(1, m - 1).bit_length()
+        mask = (1 << shift) - 1
+        free = np.asarray(free, dtype=np.int64)
+        needs = self.needs[todo]  # decreasing
+        n = len(todo)
+        bound = 1 << (62 - shift)
+        if n == 0 or int(np.max(free)) >= bound or int(needs.sum()) >= bound:  # keys would overflow int64
+            return self._worst_fit_heap(free, todo, assign, shift)
+        keys = (free << shift) | (mask - np.arange(m, dtype=np.int64))
+        # the first r pieces only reach the r highest keys (each step takes the highest: a device
+        # lowered before, or the next untouched one): a repack that fails does so early under
+        # tight memory, told here from r keys instead of all of them sorted
+        r = min(16, m, n)
+        top = np.partition(keys, m - r)[m - r:].tolist()
+        for need in needs[:r].tolist():
+            best = max(top)
+            if best >> shift < need:
+                return None
+            top[top.index(best)] = best - (need << shift)
+        to = np.empty(n, dtype=np.int64)
+        keys = -np.sort(-keys)  # highest first
+        k = rounds = 0
+        window = 64
+        while k < n:
+            rounds += 1
+            if rounds > 16 and k < 16 * rounds:  # rounds place few pieces here: the heap is faster
+                rooms, low = keys >> shift, keys & mask
+                heap = ((-rooms << shift) | (mask - low)).tolist()
+                return self._worst_fit_heap(free, todo, assign, shift, heap=heap, start=k, to=to)
+            top = int(keys[0])
+            room = top >> shift
+            if room < needs[k]:
+                return None
+            second = int(keys[1]) if m > 1 else np.iinfo(np.int64).min
+            end = min(n, k + window)
+            total = np.cumsum(needs[k:end])
+            lowered = ((room - total) << shift) | (top & mask)  # the first device's key after each piece
+            run = 1 + int(np.searchsorted(-lowered[:-1], -second, side="left"))  # it stays the highest
+            if run > 1:
+                if (room - np.concatenate(([0], total[:run - 1])) < needs[k:k + run]).any():
+                    return None  # a piece does not fit in the most room there is
+                to[k:k + run] = mask - (top & mask)
+                rest = keys[1:]
+                keys = np.insert(rest, int(np.searchsorted(-rest, -int(lowered[run - 1]))), lowered[run - 1])
+                window = min(4 * window, 4096) if run == end - k else 64
+                k += run
+                continue
+            b = min(m, n - k)  # one piece on each of the first devices, in turn
+            rooms = keys[:b] >> shift
+            sizes = needs[k:k + b]
+            after = ((rooms - sizes) << shift) | (keys[:b] & mask)
+            ahead = keys[1:b] > np.maximum.accumulate(after)[:-1]
+            stop = b if ahead.all() else int(np.argmin(ahead)) + 1
+            if (rooms[:stop] < sizes[:stop]).any():
+                return None
+            to[k:k + stop] = mask - (keys[:stop] & mask)
+            keys[:stop] = after[:stop]
+            keys = -np.sort(-keys)
+            k += stop
+        assign[todo] = to
+        f = np.empty(m, dtype=np.int64)
+        f[mask - (keys & mask)] = keys >> shift
+        return assign, f
+
+    def _worst_fit_heap(self, free: np.ndarray, todo: np.ndarray, assign: np.ndarray, shift: int,
+                        heap: list[int] | None = None, start: int = 0,
+                        to: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """Worst-fit decreasing through a heap of the devices by most room, lowest index among
+        equals: one int per device, -room << shift | index (ints compare faster than tuples).
+        `heap`, `start`, `to`: go on from `_worst_fit`'s rounds, which placed `todo[:start]`."""
+        mask = (1 << shift) - 1
+        if heap is None:
+            heap = [(-int(x) << shift) | j for j, x in enumerate(free)]
+        heapq.heapify(heap)
+        needs = self._needs_list
+        placed = [] if to is None else to[:start].tolist()
+        for k in todo[start:].tolist():
+            key = heap[0]
+            need = needs[k]
+            if -(key >> shift) < need:
+                return None
+            heapq.heapreplace(heap, key + (need << shift))
+            placed.append(key & mask)
+        assign[todo] = placed
+        f = np.zeros(len(free), dtype=np.int64)
+        for key in heap:
+            f[key & mask] = -(key >> shift)
+        return assign, f
+
+    def _first_fit(self, free: np.ndarray, todo: np.ndarray, assign: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """First-fit decreasing on many devices, a run of pieces at a time: after a piece
         goes to device j (the first with room for it), the next pieces go to j too for as
         long as each fits in what j has left and is bigger than the most room any device
