@@ -80,6 +80,29 @@ def test_many_tables_are_imputed_at_once_exactly_as_one_at_a_time():
     assert planning_view(task) == (view, imputed)  # asked again: the same view, a fresh list
 
 
+def test_rl_features_impute_a_tasks_tables_in_one_call_as_one_at_a_time(monkeypatch):
+    """DreamShard's and AutoShard's features impute the histogram-less tables of a task together
+    (one Poisson call, not one per table), each table's features those of one table at a time;
+    a table with a histogram keeps its own."""
+    from embshard.costs import features as F
+    from embshard.data import synthetic as syn
+    from embshard.search.rl.features import FeatureNorm, raw_features
+
+    tables = [Table(f"t{i}", 1000 + 7919 * i, 8, 1.0 + i % 5) for i in range(40)]
+    tables.append(Table("h", 5000, 16, 2.0, reuse_histogram=(0.5, 0.5) + (0.0,) * 15))
+    norm = FeatureNorm(tuple(F.FEATURE_NAMES), np.zeros(len(F.FEATURE_NAMES), np.float32),
+                       np.ones(len(F.FEATURE_NAMES), np.float32))
+    F._IMPUTED.clear()
+    one = np.stack([raw_features(t, 8192) for t in tables])
+    F._IMPUTED.clear()
+    calls = []
+    real = syn.expected_row_bins_many
+    monkeypatch.setattr(syn, "expected_row_bins_many", lambda specs, **kw: calls.append(len(specs)) or real(specs, **kw))
+    got = norm(tables, 8192)
+    assert calls == [40]
+    np.testing.assert_array_equal(got, one)
+
+
 # ----------------------------------------------------------------------------- normalised plans
 def test_normalize_merges_a_tables_pieces_on_one_device_and_keeps_cover():
     task = make_task([Table("a", 1000, 32, 2.0), Table("b", 1000, 8, 1.0)], num_devices=3, slack=3.0)

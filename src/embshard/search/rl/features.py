@@ -66,6 +66,7 @@ class FeatureNorm:
 
     def __call__(self, tables: Sequence[Table], batch_size: int) -> np.ndarray:
         """[N, F] normalised inputs of `tables` at `batch_size`."""
+        F.impute_ahead(tables, batch_size)
         x = np.stack([raw_features(t, batch_size, self.trace_histograms) for t in tables])
         return ((x - self.mean) / self.std).astype(np.float32)
 
