@@ -523,3 +523,16 @@ def test_costs_are_scaled_from_the_predictor_batch_to_the_task_batch():
     assert s.last_predicted_cost_ms == pytest.approx(2.0 * at_half, rel=1e-6, abs=0.02)
     # not the cost at the task's own batch: the analytic model is not linear in the batch (launch costs)
     assert abs(s.last_predicted_cost_ms - analytic_plan_cost_ms(task, plan)) > 0.1
+
+
+def test_costliest_cut_slices_are_the_power_of_two_that_brings_each_below_the_limit():
+    """Hand-derived: a piece 3x the limit needs 4 slices (2 leave each 1.5x), exactly 2x needs 2,
+    just over 1x needs 2, and never more slices than devices (NeuroShard and the RL planners
+    both cut by this count)."""
+    from embshard.search.pieces import slices_below
+
+    assert slices_below(3.0, 1.0, 8) == 4
+    assert slices_below(2.0, 1.0, 8) == 2
+    assert slices_below(1.01, 1.0, 8) == 2
+    assert slices_below(100.0, 1.0, 8) == 8
+    assert slices_below(5.0, 1.0, 3) == 3

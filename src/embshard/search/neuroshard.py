@@ -53,7 +53,6 @@ the first bound, took 28.7 s with the beam and 0.24 s without it (docs/neuroshar
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from typing import Any, Sequence
@@ -73,7 +72,7 @@ from embshard.search.greedy import (DEFAULT_CAPS, GRID_MAX_WORK, INCREMENTAL_MIN
                                     Candidate, GreedyPartitioner, GreedyResult)
 from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_sharders
 from embshard.search.pieces import (FREE, PieceBook, PieceSpec, halvable, halve, initial_state, row_split,
-                                    row_splittable)
+                                    row_splittable, slices_below)
 from embshard.search.simulator import Simulator, scale_costs
 from embshard.tables import Table
 from embshard.task import Task
@@ -263,7 +262,7 @@ class NeuroShardSearch:
         for p in sorted(pieces, key=lambda p: (-p.single_ms, p.spec)):
             if p.fixed != FREE or p.single_ms <= limit or not self.may_halve(p.spec):
                 continue
-            want = min(2 ** math.ceil(math.log2(p.single_ms / limit)), self.task.num_devices)
+            want = slices_below(p.single_ms, limit, self.task.num_devices)
             parts = [p.spec]
             while 2 * len(parts) <= want and all(self.may_halve(q) for q in parts):
                 for q in parts:

@@ -11,6 +11,7 @@ partitioner.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,6 +27,14 @@ FREE = -1  # a piece a partitioner places (all rows); >= 0: a row block fixed on
 #: A piece spec: (table name, col_offset, dim, device of a row block or FREE, number of row
 #: blocks of its table or 0); a search state is a sorted tuple of them.
 PieceSpec = tuple[str, int, int, int, int]
+
+
+def slices_below(cost_ms: float, limit_ms: float, num_devices: int) -> int:
+    """How many equal column slices bring a piece that costs `cost_ms` alone (> `limit_ms`)
+    below `limit_ms` each, as a power of two (each halving halves the cost), at most one per
+    device: the cut of a costliest table (NeuroShard's `costliest_cut`, the RL planners'
+    `column_slices`), before the table's own width rules (alignment, min_partition) cap it."""
+    return min(2 ** math.ceil(math.log2(cost_ms / limit_ms)), num_devices)
 
 
 @dataclass

@@ -47,6 +47,7 @@ from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities
 from embshard.search.constrained import SLICE_MARK, Reduction, expand
 from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard
+from embshard.search.pieces import slices_below
 from embshard.search.rl.checkpoint import load_checkpoint, resolve_path
 from embshard.search.rl.env import best_plan, plan_candidates
 from embshard.tables import DIM_ALIGNMENT
@@ -263,7 +264,7 @@ class RLSharder(GuardSlot):
         for t in task.tables:
             k = 1
             if single[t.name] > limit and (t.allows("column_wise") or (single_host and t.allows("table_column_wise"))):
-                k = min(2 ** math.ceil(math.log2(single[t.name] / limit)), task.num_devices)
+                k = slices_below(single[t.name], limit, task.num_devices)
                 while k > 1 and (t.dim % k or (t.dim // k) % DIM_ALIGNMENT or t.dim // k < t.narrowest_column_piece()):
                     k //= 2
             if k == 1:
