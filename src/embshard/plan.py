@@ -481,6 +481,9 @@ class MemoryLedger:
         self.free = [task.device_memory_bytes] * task.num_devices
         needs = sorted((int(x) for x in pending), reverse=True)
         self._ahead = LookAhead(np.array(self.free, dtype=np.int64), needs, fit="worst") if needs else None
+        # `free` as an array for the look-ahead's repacks (kept beside the list by `take`:
+        # converting a thousand devices' list at every repack cost more than the repack's setup)
+        self._free_array = np.array(self.free, dtype=np.int64) if needs else None
         # pending pieces by size; forgetting one of a size takes the last of its list
         self._by_size: dict[int, list[int]] = {}
         for i, n in enumerate(needs):
@@ -491,6 +494,7 @@ class MemoryLedger:
         new = copy.copy(self)
         new.free = list(self.free)
         new._ahead = None if self._ahead is None else self._ahead.copy()
+        new._free_array = None if self._free_array is None else self._free_array.copy()
         new._by_size = {n: list(ids) for n, ids in self._by_size.items()}
         return new
 
@@ -502,7 +506,8 @@ class MemoryLedger:
             raise PlanError(f"device {device} has {self.free[device]} bytes free, {nbytes} requested")
         self.free[device] -= nbytes
         if self._ahead is not None:
-            self._ahead.took(self.free, device, nbytes)
+            self._free_array[device] -= nbytes
+            self._ahead.took(self._free_array, device, nbytes)
 
     def place(self, table: Table, nbytes: int, preference: Iterable[int]) -> int:
         """Put a piece of `nbytes` on the first preferred device with room that keeps the
@@ -537,7 +542,7 @@ class MemoryLedger:
 
     def pending_pack_after(self, device: int, nbytes: int) -> bool:
         """Whether the pending pieces still pack once `nbytes` more are used on `device`."""
-        return self._ahead is None or self._ahead.packs_after(self.free, device, nbytes)
+        return self._ahead is None or self._ahead.packs_after(self._free_array, device, nbytes)
 
     def nowhere(self, table: Table, nbytes: int) -> InfeasibleError:
         """The error for a piece of `nbytes` that fits on no device."""
