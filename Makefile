@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-v1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-e2e venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-broad rl-wide rl-more rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval rl-test-eval scale-bench checkpoint-compare fuzz fuzz-measured
+.PHONY: demo test test-e2e venv clean mutation checkpoint calibrate neuroshard-eval trust-eval e2e drift flexshard flexshard-measured rl-checkpoints rl-broad rl-wide rl-more rl-eval rl-ablation rl-bench compare-planners planner-bench portfolio-eval rl-test-eval scale-bench checkpoint-compare fuzz fuzz-measured fuzz-torchrec
 
 venv: $(STAMP)
 
@@ -382,6 +382,13 @@ fuzz: $(STAMP)
 FUZZ_MEASURED ?= 10
 fuzz-measured: $(STAMP)
 	$(PY) scripts/fuzz_planners.py measured --seed $(FUZZ_SEED) --tasks $(FUZZ_MEASURED) --out experiments/fuzz/measured$(FUZZ_SEED).jsonl
+
+# Random TorchRec modules (nested EmbeddingBagCollections / EmbeddingCollections, constraints, cpu or
+# cuda topologies of 1-64 ranks) through EmbShardPlanner.plan, as a TorchRec user calls it: a defect
+# is a traceback, a multi-line error, or a ShardingPlan that misses a table, breaks a constraint or
+# is invalid. About 3 minutes here (30 modules x 6 algorithms, meta device).
+fuzz-torchrec: $(STAMP)
+	$(PY) scripts/fuzz_planners.py torchrec --seed $(FUZZ_SEED) --tasks $(FUZZ_TASKS) --out experiments/fuzz/torchrec$(FUZZ_SEED).jsonl
 
 # Planning time and estimates at scale (docs/portfolio.md, "Scale"): every planner at 856 x 128 and
 # 5,384 x 1,024, then the portfolio on that 5,384-table task (its search_seconds in

@@ -8,6 +8,7 @@ Example:
     .venv/bin/python scripts/fuzz_planners.py task --seed 2 --index 143 --out task.json  # one task again
     .venv/bin/python scripts/fuzz_planners.py measured --seed 3 --tasks 10                 # make fuzz-measured
     .venv/bin/python scripts/fuzz_planners.py measured --seed 6 --tasks 10 --override hardware=dmp_cpu
+    .venv/bin/python scripts/fuzz_planners.py torchrec --seed 1 --tasks 30                 # make fuzz-torchrec
 
 A task: 1-1,500 tables (log-uniform rows 1..2e8, dims 4-1,024, pooling 0.01-500, fp16, several
 bags, Pareto-tailed reuse histograms or none, sharding-type constraints, min_partition, sequence
@@ -31,6 +32,16 @@ per kind; exit status 1 when there is a defect. Failing tasks are written beside
 task: a defect is a traceback, an exit status other than 0, 1 or 2, an exit 2 without exactly one
 `error:` line, or a run over `--timeout` seconds. Tasks and their runs are kept under
 `<out>.tasks/`.
+
+`torchrec` (`make fuzz-torchrec`) calls `EmbShardPlanner.plan` as a TorchRec user does, on random
+meta-device modules (`draw_module`: 1-3 EmbeddingBagCollections or EmbeddingCollections, nested,
+1-200 tables each of 1..1e8 rows, dims 4-1,024, fp32 or fp16, SUM or MEAN bags, 1-3 features;
+`ParameterConstraints` with sharding_types, min_partition and pooling_factors on some tables; a
+cuda or cpu `Topology` of 1-64 ranks in hosts, memory 0.8x-20x an even share; batch 1-32,768 per
+rank). A defect is an error other than a one-line EmbshardError (CRASH, MULTILINE), a plan over
+the time limit, or a `ShardingPlan` that misses a table, gives a table a sharding type its
+constraint leaves out, names a rank outside the world, or whose embshard plan the validator
+refuses (INVALID).
 """
 
 from __future__ import annotations
@@ -260,6 +271,143 @@ def measured(args: argparse.Namespace) -> int:
     return 1 if any(counts[k] for k in DEFECTS) else 0
 
 
+SHARDING_TORCHREC = ["table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel", "table_column_wise"]
+DIMS_TORCHREC = [4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 200, 256, 512, 1024]
+
+
+def draw_module(rng: random.Random):
+    """(module, constraints by table, Topology, per-rank batch, description) of one TorchRec user's
+    model (module docstring); `rng` is consumed in a fixed order."""
+    import torch
+    from torch import nn
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    root, constraints, total, tables = nn.Module(), {}, 0, 0
+    for c in range(rng.choice([1, 1, 2, 3])):
+        sequence = rng.random() < 0.25
+        seq_dim = rng.choice([4, 8, 16, 32, 64, 128])  # an EmbeddingCollection's tables share one dim
+        configs = []
+        for j in range(int(round(10 ** rng.uniform(0, 2.3)))):
+            name = f"c{c}t{j}"
+            rows = max(1, int(10 ** rng.uniform(0, 8)))
+            dim = seq_dim if sequence else rng.choice(DIMS_TORCHREC)
+            features = [f"{name}f{k}" for k in range(rng.choice([1, 1, 1, 2, 3]))]
+            dtype = rng.choice([DataType.FP32, DataType.FP32, DataType.FP16])
+            total += rows * dim * (2 if dtype == DataType.FP16 else 4)
+            if sequence:
+                configs.append(EmbeddingConfig(name=name, num_embeddings=rows, embedding_dim=dim,
+                                               feature_names=features, data_type=dtype))
+            else:
+                configs.append(EmbeddingBagConfig(name=name, num_embeddings=rows, embedding_dim=dim, feature_names=features,
+                                                  data_type=dtype, pooling=rng.choice([PoolingType.SUM, PoolingType.MEAN])))
+            if rng.random() < 0.3:
+                kw: dict[str, Any] = {}
+                if rng.random() < 0.6:
+                    kw["sharding_types"] = rng.sample(SHARDING_TORCHREC, rng.choice([1, 1, 2, 3]))
+                if rng.random() < 0.3:
+                    kw["min_partition"] = rng.choice([4, 8, 16, 32, 128])
+                if rng.random() < 0.3:
+                    kw["pooling_factors"] = [rng.uniform(0.1, 100) for _ in features]
+                if kw:
+                    constraints[name] = ParameterConstraints(**kw)
+        tables += len(configs)
+        collection = (EmbeddingCollection if sequence else EmbeddingBagCollection)(tables=configs, device=torch.device("meta"))
+        holder = root
+        for d in range(rng.choice([0, 1, 2])):
+            sub = nn.Module()
+            setattr(holder, f"m{c}_{d}", sub)
+            holder = sub
+        setattr(holder, f"coll{c}", collection)
+    world = rng.choice([1, 2, 3, 4, 8, 16, 32, 64])
+    local = rng.choice([x for x in (1, 2, 4, 8, world) if x <= world and world % x == 0])
+    device = rng.choice(["cuda", "cpu"])
+    cap = int(max(1 << 20, total / world * rng.choice([0.8, 1.2, 2, 5, 20])))
+    topology = Topology(world_size=world, compute_device=device, local_world_size=local,
+                        **({"hbm_cap": cap} if device == "cuda" else {"ddr_cap": cap}))
+    batch = rng.choice([1, 7, 64, 512, 4096, 32768])
+    desc = f"{tables} tables, {world} {device} ranks ({local} per host), batch {batch} per rank, {len(constraints)} constrained"
+    return root, constraints, topology, batch, desc
+
+
+def plan_module(module, constraints, topology, batch: int, algorithm: str, timeout_s: int) -> dict[str, Any]:
+    """Plan `module` through `EmbShardPlanner` with `algorithm`: the record `torchrec` writes."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    import embshard
+    from embshard.errors import EmbshardError, PlanError
+    from embshard.plan import validate
+
+    rec: dict[str, Any] = {"algorithm": algorithm}
+    t0 = time.perf_counter()
+    signal.alarm(timeout_s)
+    try:
+        planner = embshard.EmbShardPlanner(topology=topology, batch_size=batch, constraints=constraints,
+                                           algorithm=algorithm, debug=False)
+        sp = planner.plan(module, [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
+        signal.alarm(0)
+        rec["seconds"] = round(time.perf_counter() - t0, 2)
+        wrong = []
+        planned = {n: ps for per in sp.plan.values() for n, ps in per.items()}
+        missing = sorted({t.name for t in planner.last_task.tables} - set(planned))
+        if missing:
+            wrong.append(f"tables missing from the ShardingPlan: {', '.join(missing[:5])}")
+        for n, ps in planned.items():
+            allowed = getattr(constraints.get(n), "sharding_types", None)
+            if allowed and ps.sharding_type not in allowed:
+                wrong.append(f"table {n!r} sharded {ps.sharding_type}, its constraint allows {allowed}")
+            if any(not 0 <= r < topology.world_size for r in ps.ranks or []):
+                wrong.append(f"table {n!r} on ranks {ps.ranks} of a world of {topology.world_size}")
+        try:
+            validate(planner.last_task, planner.last_plan)
+        except PlanError as e:
+            wrong.append(str(e))
+        rec["kind"] = "INVALID" if wrong else "ok"
+        if wrong:
+            rec["message"] = "; ".join(wrong)[:300]
+    except _Timeout:
+        rec |= {"kind": "TIMEOUT", "seconds": timeout_s}
+    except EmbshardError as e:
+        signal.alarm(0)
+        m = str(e)
+        rec |= {"kind": "refused" if "\n" not in m.strip() else "MULTILINE", "message": m[:300]}
+    except Exception as e:  # noqa: BLE001 - what the fuzzer is looking for
+        signal.alarm(0)
+        rec |= {"kind": "CRASH", "message": repr(e)[:300], "traceback": traceback.format_exc()[-3000:]}
+    return rec
+
+
+def torchrec(args: argparse.Namespace) -> int:
+    import logging
+    import warnings
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    signal.signal(signal.SIGALRM, _alarm)
+    algorithms = [a for a in args.algorithms.split(",") if a]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    counts: Counter[str] = Counter()
+    rng = random.Random(args.seed)
+    with out.open("w") as f:
+        for i in range(args.tasks):
+            module, constraints, topology, batch, desc = draw_module(rng)
+            for algorithm in algorithms:
+                rec = {"task": f"tr{args.seed}-{i}", "desc": desc} | plan_module(module, constraints, topology, batch,
+                                                                               algorithm, args.timeout)
+                counts[rec["kind"]] += 1
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                if rec["kind"] in DEFECTS:
+                    print(f"{rec['kind']:9s} {rec['task']} ({desc}) {algorithm}: {rec.get('message', '')[:200]}", flush=True)
+    print(f"{args.tasks} modules x {len(algorithms)} algorithms: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f"; records in {out} "
+          f"(`torchrec --seed {args.seed}` draws the same modules again)")
+    return 1 if any(counts[k] for k in DEFECTS) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -278,6 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--out", default="experiments/fuzz/measured.jsonl")
     m.add_argument("--override", action="append", default=[],
                    help="a shard.py override for every task, e.g. hardware=dmp_cpu (TorchRec's DMP step); repeatable")
+    tr = sub.add_parser("torchrec", help="plan random TorchRec modules through EmbShardPlanner; report defects")
+    tr.add_argument("--seed", type=int, default=1)
+    tr.add_argument("--tasks", type=int, default=30)
+    tr.add_argument("--algorithms", default="neuroshard,portfolio,dreamshard,autoshard,size_lookup_greedy,torchrec")
+    tr.add_argument("--timeout", type=int, default=120, help="seconds per plan before it counts as TIMEOUT")
+    tr.add_argument("--out", default="experiments/fuzz/torchrec.jsonl")
     t = sub.add_parser("task", help="write one fuzzed task JSON")
     t.add_argument("--seed", type=int, required=True)
     t.add_argument("--index", type=int, required=True)
@@ -289,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.out).write_text(json.dumps(td, indent=1))
                 print(f"wrote {args.out}: {len(td['tables'])} tables x {td['num_devices']} devices")
         return 0
-    return measured(args) if args.cmd == "measured" else run(args)
+    return {"measured": measured, "torchrec": torchrec}.get(args.cmd, run)(args)
 
 
 if __name__ == "__main__":

@@ -332,6 +332,41 @@ def test_measured_fuzzing_shrinks_tasks_to_what_this_machine_can_measure():
     assert shrunk > 0  # the draws include tasks too big to measure here
 
 
+def test_torchrec_fuzzing_draws_the_same_modules_and_flags_a_plan_that_drops_a_table(monkeypatch):
+    """scripts/fuzz_planners.py torchrec: a seed draws the same TorchRec modules every time; a module
+    planned through EmbShardPlanner is ok (or a one-line refusal), and a ShardingPlan with a table
+    left out is a defect (INVALID), not ok."""
+    import importlib.util
+    import random
+
+    import embshard
+
+    spec = importlib.util.spec_from_file_location("fuzz_planners", ROOT / "scripts" / "fuzz_planners.py")
+    fz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fz)
+
+    def names(module):
+        return [n for n, _ in module.named_parameters()]
+
+    a, b = fz.draw_module(random.Random(5)), fz.draw_module(random.Random(5))
+    assert a[4] == b[4] and names(a[0]) == names(b[0]) and set(a[1]) == set(b[1])
+    module, cons, topo, batch, desc = fz.draw_module(random.Random(7))
+    assert desc == "37 tables, 3 cuda ranks (1 per host), batch 7 per rank, 9 constrained"
+    rec = fz.plan_module(module, cons, topo, batch, "size_lookup_greedy", 60)
+    assert rec["kind"] == "ok", rec
+    real = embshard.EmbShardPlanner.to_torchrec
+
+    def drop_one(self, task, plan, collections):
+        sp = real(self, task, plan, collections)
+        per = next(iter(sp.plan.values()))
+        per.pop(next(iter(per)))
+        return sp
+
+    monkeypatch.setattr(embshard.EmbShardPlanner, "to_torchrec", drop_one)
+    rec = fz.plan_module(module, cons, topo, batch, "size_lookup_greedy", 60)
+    assert rec["kind"] == "INVALID" and "missing from the ShardingPlan" in rec["message"]
+
+
 def test_dmp_step_refuses_a_batch_its_ranks_do_not_share_evenly_before_planning(refused_in_process, tmp_path):
     """Before: a rank without a sample raised inside its worker ("batch_size must be a positive
     integer, got 0"; fuzzed: batch 1 on 8 ranks), and batch 4096 on 5 ranks failed in a row_wise
