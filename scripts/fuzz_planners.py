@@ -127,28 +127,16 @@ def _alarm(*_: Any) -> None:
     raise _Timeout()
 
 
-def plan_one(task, algorithm: str, timeout_s: int, model) -> dict[str, Any]:
-    """Plan `task` with `algorithm`: the record `run` writes (module docstring)."""
-    import numpy as np
+def _attempt(rec: dict[str, Any], timeout_s: int, body) -> dict[str, Any]:
+    """`rec` filled by `body(rec, t0)` under a `timeout_s` alarm (`body` cancels it once its plan is
+    made), or with what stopped it: TIMEOUT, a one-line EmbshardError (refused), a multi-line one
+    (MULTILINE), any other exception (CRASH, with its traceback)."""
+    from embshard.errors import EmbshardError
 
-    import embshard
-    from embshard.errors import EmbshardError, PlanError
-    from embshard.plan import validate
-
-    rec: dict[str, Any] = {"algorithm": algorithm}
     t0 = time.perf_counter()
     signal.alarm(timeout_s)
     try:
-        plan = embshard.plan(task, algorithm=algorithm)
-        signal.alarm(0)
-        rec["seconds"] = round(time.perf_counter() - t0, 2)
-        try:
-            validate(task, plan)
-        except PlanError as e:
-            return rec | {"kind": "INVALID", "message": str(e)[:300]}
-        est = float(model.device_costs(task, plan).plan_cost_ms)
-        rec["estimate_ms"] = round(est, 3)
-        rec["kind"] = "ok" if np.isfinite(est) and est > 0 else "ESTIMATE"
+        body(rec, t0)
     except _Timeout:
         rec |= {"kind": "TIMEOUT", "seconds": timeout_s}
     except EmbshardError as e:
@@ -159,6 +147,30 @@ def plan_one(task, algorithm: str, timeout_s: int, model) -> dict[str, Any]:
         signal.alarm(0)
         rec |= {"kind": "CRASH", "message": repr(e)[:300], "traceback": traceback.format_exc()[-3000:]}
     return rec
+
+
+def plan_one(task, algorithm: str, timeout_s: int, model) -> dict[str, Any]:
+    """Plan `task` with `algorithm`: the record `run` writes (module docstring)."""
+    import numpy as np
+
+    import embshard
+    from embshard.errors import PlanError
+    from embshard.plan import validate
+
+    def body(rec: dict[str, Any], t0: float) -> None:
+        plan = embshard.plan(task, algorithm=algorithm)
+        signal.alarm(0)
+        rec["seconds"] = round(time.perf_counter() - t0, 2)
+        try:
+            validate(task, plan)
+        except PlanError as e:
+            rec |= {"kind": "INVALID", "message": str(e)[:300]}
+            return
+        est = float(model.device_costs(task, plan).plan_cost_ms)
+        rec["estimate_ms"] = round(est, 3)
+        rec["kind"] = "ok" if np.isfinite(est) and est > 0 else "ESTIMATE"
+
+    return _attempt({"algorithm": algorithm}, timeout_s, body)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -337,13 +349,10 @@ def plan_module(module, constraints, topology, batch: int, algorithm: str, timeo
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
     import embshard
-    from embshard.errors import EmbshardError, PlanError
+    from embshard.errors import PlanError
     from embshard.plan import validate
 
-    rec: dict[str, Any] = {"algorithm": algorithm}
-    t0 = time.perf_counter()
-    signal.alarm(timeout_s)
-    try:
+    def body(rec: dict[str, Any], t0: float) -> None:
         planner = embshard.EmbShardPlanner(topology=topology, batch_size=batch, constraints=constraints,
                                            algorithm=algorithm, debug=False)
         sp = planner.plan(module, [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
@@ -367,16 +376,8 @@ def plan_module(module, constraints, topology, batch: int, algorithm: str, timeo
         rec["kind"] = "INVALID" if wrong else "ok"
         if wrong:
             rec["message"] = "; ".join(wrong)[:300]
-    except _Timeout:
-        rec |= {"kind": "TIMEOUT", "seconds": timeout_s}
-    except EmbshardError as e:
-        signal.alarm(0)
-        m = str(e)
-        rec |= {"kind": "refused" if "\n" not in m.strip() else "MULTILINE", "message": m[:300]}
-    except Exception as e:  # noqa: BLE001 - what the fuzzer is looking for
-        signal.alarm(0)
-        rec |= {"kind": "CRASH", "message": repr(e)[:300], "traceback": traceback.format_exc()[-3000:]}
-    return rec
+
+    return _attempt({"algorithm": algorithm}, timeout_s, body)
 
 
 def torchrec(args: argparse.Namespace) -> int:
