@@ -121,11 +121,10 @@ class LookAhead:
             top[top.index(best)] = best - (need << shift)
         to = np.empty(n, dtype=np.int64)
         keys = -np.sort(-keys)  # highest first
-        k = rounds = 0
+        k = few = 0  # few: rounds in a row that placed fewer than 16 pieces
         window = 64
         while k < n:
-            rounds += 1
-            if rounds > 16 and k < 16 * rounds:  # rounds place few pieces here: the heap is faster
+            if few >= 8:  # rounds place few pieces here (devices trading the lead): the heap is faster
                 rooms, low = keys >> shift, keys & mask
                 heap = ((-rooms << shift) | (mask - low)).tolist()
                 return self._worst_fit_heap(free, todo, assign, shift, heap=heap, start=k, to=to)
@@ -146,6 +145,7 @@ class LookAhead:
                 keys = np.insert(rest, int(np.searchsorted(-rest, -int(lowered[run - 1]))), lowered[run - 1])
                 window = min(4 * window, 4096) if run == end - k else 64
                 k += run
+                few = few + 1 if run < 16 else 0
                 continue
             b = min(m, n - k)  # one piece on each of the first devices, in turn
             rooms = keys[:b] >> shift
@@ -159,6 +159,7 @@ class LookAhead:
             keys[:stop] = after[:stop]
             keys = -np.sort(-keys)
             k += stop
+            few = few + 1 if stop < 16 else 0
         assign[todo] = to
         f = np.empty(m, dtype=np.int64)
         f[mask - (keys & mask)] = keys >> shift
