@@ -129,6 +129,45 @@ def test_members_planned_in_workers_give_the_plans_and_rows_of_members_planned_i
     assert strip(forked.last_search_info) == strip(serial.last_search_info)
 
 
+class SeesImputed:
+    """Plans round robin and names, in its plan, how many of the task's histogram-less tables
+    had no imputed histogram yet when it began (0: it was handed them)."""
+
+    capabilities = Capabilities(("pooled",), splits_tables=False)
+    name = "sees_imputed"
+
+    def shard(self, task: Task) -> Plan:
+        from embshard.costs.features import pending_imputations
+
+        left = len(pending_imputations(task.tables, task.batch_size))
+        return Plan(task.name, f"left{left}", [Shard.whole(t, i % task.num_devices) for i, t in enumerate(task.tables)])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the members plan in forked workers on Linux only")
+def test_workers_share_the_imputation_of_the_tables_without_histograms(monkeypatch):
+    """Planned in workers, a task's histogram-less tables are imputed once across the workers (a
+    share each, not all in every worker, nor in the parent) and every member begins with all of
+    them known; the parent ends up knowing them too, the same values as imputed here."""
+    from embshard.costs import features as F
+    from embshard.data import synthetic as syn
+
+    task = tiny_task(devices=3, n=9)
+    F._IMPUTED.clear()
+    calls = []
+    real = syn.expected_row_bins_many
+    monkeypatch.setattr(syn, "expected_row_bins_many", lambda specs, **kw: calls.append(len(specs)) or real(specs, **kw))
+    members = {"a": SeesImputed(), "b": SeesImputed(), "c": SeesImputed()}
+    got = PortfolioSharder(members, ranker=None, workers=2).plan_members(task, AnalyticCostModel())
+    assert [plan.algorithm for _, plan, _ in got] == ["left0"] * 3
+    assert calls == []  # the parent computed none of them: the workers did
+    adopted = dict(F._IMPUTED)
+    assert len(adopted) == 9 and F.pending_imputations(task.tables, task.batch_size) == []
+    F._IMPUTED.clear()
+    assert [adopted[(t.rows, t.pooling_factor, task.batch_size)] for t in task.tables] == \
+        F.imputed_histograms([(t.rows, t.pooling_factor, task.batch_size) for t in task.tables])
+    assert calls == [9]
+
+
 class Dies:
     """A member whose process dies while it plans (as one killed for memory would)."""
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -103,12 +103,26 @@ def imputed_histograms(keys: Sequence[tuple[int, float, int]]) -> list[tuple[flo
     return [_IMPUTED[k] if k[1] * k[2] > 0 else _FLAT for k in keys]
 
 
+def pending_imputations(tables: Sequence[Table], batch_size: int) -> list[tuple[int, float, int]]:
+    """The (rows, pooling_factor, batch_size) keys of the untraced tables of `tables` without a
+    reuse histogram whose imputed one is not known yet (each once)."""
+    keys = {(int(t.rows), float(t.pooling_factor), int(batch_size)) for t in tables
+            if t.trace is None and not _has_histogram(t)}
+    return sorted(k for k in keys if k not in _IMPUTED and k[1] * k[2] > 0)
+
+
+def adopt_imputed(imputed: Mapping[tuple[int, float, int], tuple[float, ...]]) -> None:
+    """Take imputed histograms computed elsewhere (`imputed_histograms` in another process) as known."""
+    if len(_IMPUTED) + len(imputed) > _IMPUTED_MAX:
+        _IMPUTED.clear()
+    _IMPUTED.update(imputed)
+
+
 def impute_ahead(tables: Sequence[Table], batch_size: int) -> None:
     """Impute, together, the reuse histograms that `with_histogram` will give the untraced
     tables of `tables` without one (one Poisson call per many tables instead of one per
     table: the same values, cached for it)."""
-    imputed_histograms([(t.rows, t.pooling_factor, int(batch_size)) for t in tables
-                        if t.trace is None and not _has_histogram(t)])
+    imputed_histograms(pending_imputations(tables, batch_size))
 
 
 def imputed_histogram(rows: int, pooling_factor: float, batch_size: int) -> tuple[float, ...]:
