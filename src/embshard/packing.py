@@ -132,7 +132,7 @@ class LookAhead:
             room = top >> shift
             if room < needs[k]:
                 return None
-            second = int(keys[1]) if m > 1 else np.iinfo(np.int64).min
+            second = int(keys[1])  # _pack calls this with more than 32 devices
             end = min(n, k + window)
             total = np.cumsum(needs[k:end])
             lowered = ((room - total) << shift) | (top & mask)  # the first device's key after each piece
