@@ -523,3 +523,78 @@ def test_dreamshard_full_step_keeps_compute_current_and_finish_refreshes_comm():
         agent.finish(view, state)
         torch.testing.assert_close(state["costs"], agent.costnet.device_costs(state["S"], state["cnt"]))
         assert state["cnt"][1].sum() == 0
+
+
+def _first_fit_one_at_a_time(free: np.ndarray, needs: np.ndarray, pending: np.ndarray) -> bool:
+    f = free.astype(np.int64).copy()
+    for k in np.argsort(-needs, kind="stable"):
+        if pending[k]:
+            room = np.flatnonzero(f >= needs[k])
+            if not len(room):
+                return False
+            f[room[0]] -= needs[k]
+    return True
+
+
+@pytest.mark.parametrize("fit", ["first", "worst"])
+def test_a_repack_turned_down_from_its_largest_pieces_would_have_failed(fit, monkeypatch):
+    """Under tight memory most repacks fail within their first pieces; `_pack` tells those from
+    the 16 largest pending pieces and the rooms they can reach (`_fails_early`) before setting up
+    a repack of every piece. Its verdict stays one-piece-at-a-time's, on rooms where a few devices
+    can take the big pieces, and the early verdict is reached both ways."""
+    told = []
+    real = LookAhead._fails_early
+
+    def spy(self, free, fit, r=16):
+        told.append(real(self, free, fit, r))
+        return told[-1]
+
+    monkeypatch.setattr(LookAhead, "_fails_early", spy)
+    rng = np.random.default_rng(5)
+    cap = 10**6
+    verdicts = set()
+    for trial in range(80):
+        d = int(rng.integers(33, 200))
+        free = rng.integers(0, cap // 100, size=d)
+        roomy = rng.choice(d, size=int(rng.integers(4, 40)), replace=False)
+        free[roomy] = rng.integers(cap // 2, cap, size=len(roomy))
+        big = rng.integers(cap // 4, cap, size=int(rng.integers(2, 24)))
+        needs = np.concatenate([big, rng.integers(1, cap // 200, size=int(rng.integers(d, 4 * d)))])
+        pending = rng.random(len(needs)) < 0.9
+        ahead = LookAhead(np.full(d, 1 << 62), needs.tolist(), fit="first")
+        ahead.pending[:] = pending
+        ahead.forget(int(np.flatnonzero(pending)[0]))  # the head moves past a placed piece
+        pending = ahead.pending.copy()
+        got = ahead._pack(free, fit)
+        want = (_first_fit_one_at_a_time(free, needs, pending) if fit == "first"
+                else _worst_fit_one_at_a_time(free, needs, pending) is not None)
+        verdicts.add(want)
+        assert (got is not None) == want, trial
+    assert verdicts == {True, False}
+    assert set(told) == {True, False}
+
+
+def test_unpackable_only_where_no_packing_exists():
+    """`LookAhead.unpackable` (the memory ledger asks it before mending or repacking its proof)
+    says True only where no assignment of the pending pieces fits, checked against every
+    assignment of small tasks, and it says so for some."""
+    import itertools
+
+    rng = np.random.default_rng(9)
+    said = 0
+    for trial in range(300):
+        d = int(rng.integers(1, 5))
+        n = int(rng.integers(1, 7))
+        free = rng.integers(0, 100, size=d)
+        needs = rng.integers(1, 100, size=n)
+        ahead = LookAhead(np.full(d, 1 << 40), needs.tolist())
+        exists = False
+        for assign in itertools.product(range(d), repeat=n):
+            used = np.bincount(np.array(assign), weights=needs, minlength=d)
+            if (used <= free).all():
+                exists = True
+                break
+        if ahead.unpackable(free):
+            said += 1
+            assert not exists, (free.tolist(), needs.tolist())
+    assert said > 20

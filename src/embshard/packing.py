@@ -48,6 +48,7 @@ class LookAhead:
         self._desc = np.argsort(-self.needs, kind="stable")
         self.pending = np.ones(len(self.needs), dtype=bool)
         self.num_pending = len(self.needs)
+        self._head = 0  # every piece of _desc before it is placed (pieces are only ever placed)
         self.assign = np.full(len(self.needs), -1, dtype=np.int64)
         self.slack = np.asarray(free, dtype=np.int64).copy()
         self.valid = self._repack(np.asarray(free, dtype=np.int64))
@@ -57,12 +58,86 @@ class LookAhead:
         self._mends: dict[tuple[int, int], tuple[np.ndarray, np.ndarray] | None] = {}
 
     # ------------------------------------------------------------------ packing
+    def _largest_pending(self, r: int) -> list[int]:
+        """The needs of the (at most) `r` largest pending pieces, largest first, in the order
+        `_pack` places them; O(r) amortised, not O(pieces)."""
+        desc, pending = self._desc, self.pending
+        h, n = self._head, len(desc)
+        while h < n and not pending[desc[h]]:
+            h += 1
+        self._head = h
+        window = desc[h:h + 4 * r]
+        got = window[pending[window]]
+        if len(got) < r and h + 4 * r < n:
+            rest = desc[h:]
+            got = rest[pending[rest]]
+        return self.needs[got[:r]].tolist()
+
+    def _fails_early(self, free: np.ndarray, fit: str, r: int = 16) -> bool:
+        """Whether packing by `fit` into `free` (more than 32 devices) fails within its first
+        `r` pieces, told from the rooms those pieces can reach without the O(pieces) set-up of
+        a repack (under tight memory most repacks fail there). Exact: True only where `_pack`
+        returns None."""
+        needs = self._largest_pending(r)
+        if not needs:
+            return False
+        if fit == "worst":
+            # the first r pieces only reach the r highest keys (each step takes the highest: a
+            # device lowered before, or the next untouched one)
+            m = len(free)
+            shift = max(1, m - 1).bit_length()
+            if int(np.max(free)) >= 1 << (62 - shift):
+                return False  # keys would overflow int64: the heap decides
+            keys = (free.astype(np.int64) << shift) | (((1 << shift) - 1) - np.arange(m, dtype=np.int64))
+            k = min(len(needs), m)
+            top = np.partition(keys, m - k)[m - k:].tolist()
+            for need in needs[:k]:
+                best = max(top)
+                if best >> shift < need:
+                    return True
+                top[top.index(best)] = best - (need << shift)
+            return False
+        # first fit: a device with less room than the smallest of these pieces takes none of
+        # them, so they go where they would among the devices that have it, in index order
+        rooms = free[free >= needs[-1]].tolist()
+        if len(rooms) > 64:
+            return False  # many devices to scan: the repack itself is as quick
+        for need in needs:
+            for j, room in enumerate(rooms):
+                if room >= need:
+                    rooms[j] = room - need
+                    break
+            else:
+                return True
+        return False
+
+    def unpackable(self, free: np.ndarray, r: int = 16) -> bool:
+        """Whether the pending pieces fit into `free` by no packing at all, told from the `r`
+        largest (True only where none exists; False says nothing): if piece j and the one before
+        it together need more than any device has, no two of the j + 1 largest share a device,
+        so at least j + 1 devices need room for the j-th."""
+        needs = self._largest_pending(r)
+        if not needs:
+            return False
+        free = np.asarray(free, dtype=np.int64)
+        k = min(len(needs), len(free))
+        rooms = sorted(np.partition(free, len(free) - k)[len(free) - k:].tolist(), reverse=True)  # the roomiest
+        most = rooms[0]
+        for j, need in enumerate(needs):
+            if j and needs[j - 1] + need <= most:
+                return False  # two of them can share a device from here on
+            if j >= len(rooms) or rooms[j] < need:
+                return True
+        return False
+
     def _pack(self, free: np.ndarray, fit: str) -> tuple[np.ndarray, np.ndarray] | None:
         """(assignment, slack) of the pending pieces in decreasing size into `free`; None when
         one does not fit."""
+        worst = fit == "worst"
+        if len(free) > 32 and self._fails_early(np.asarray(free, dtype=np.int64), fit):
+            return None
         assign = self.assign.copy()
         todo = self._desc[self.pending[self._desc]]
-        worst = fit == "worst"
         if len(free) <= 32:  # a plain scan beats numpy on a few devices
             fl = [int(x) for x in free]
             needs = self._needs_list
@@ -109,16 +184,6 @@ class LookAhead:
         if n == 0 or int(np.max(free)) >= bound or int(needs.sum()) >= bound:  # keys would overflow int64
             return self._worst_fit_heap(free, todo, assign, shift)
         keys = (free << shift) | (mask - np.arange(m, dtype=np.int64))
-        # the first r pieces only reach the r highest keys (each step takes the highest: a device
-        # lowered before, or the next untouched one): a repack that fails does so early under
-        # tight memory, told here from r keys instead of all of them sorted
-        r = min(16, m, n)
-        top = np.partition(keys, m - r)[m - r:].tolist()
-        for need in needs[:r].tolist():
-            best = max(top)
-            if best >> shift < need:
-                return None
-            top[top.index(best)] = best - (need << shift)
         to = np.empty(n, dtype=np.int64)
         keys = -np.sort(-keys)  # highest first
         k = few = 0  # few: rounds in a row that placed fewer than 16 pieces
@@ -390,10 +455,12 @@ class LookAhead:
         of the mends `took` may adopt."""
         if self.num_pending == 0 or (self.valid and self.slack[device] >= need):
             return True
-        if self._repair(device, need) is not None:
-            return True
         f = np.array(free, dtype=np.int64)
         f[device] -= need
+        if self.unpackable(f):  # then neither a mend nor a repack finds a packing
+            return False
+        if self._repair(device, need) is not None:
+            return True
         return self._pack(f, "first") is not None
 
     def took(self, free_after: Sequence[int], device: int, need: int) -> None:
