@@ -289,11 +289,14 @@ def table_features(table: Table, batch_size: int) -> np.ndarray:
 
     A table without a reuse histogram is given its imputed one (see the module docstring);
     callers that want the flag use `with_histogram` / `planning_view` first."""
-    table, _ = with_histogram(table, batch_size)
+    # the histogram `with_histogram` would give the table, without building that table (a
+    # planner asks for thousands of pieces' features)
+    hist = (table.reuse_histogram if _has_histogram(table)
+            else imputed_histogram(table.rows, table.pooling_factor, int(batch_size)))
     b = float(batch_size)
     bpe = float(table.bytes_per_element)
     lookups = table.pooling_factor * b
-    reuse = mean_reuse(table.reuse_histogram)
+    reuse = mean_reuse(hist)
     touched = min(float(table.rows), lookups / reuse) if lookups > 0 else 0.0
     size = table.rows * table.dim * bpe
     return np.array(
@@ -307,7 +310,7 @@ def table_features(table: Table, batch_size: int) -> np.ndarray:
             math.log(reuse),
             touched / table.rows,
             bpe,
-            *table.reuse_histogram,
+            *hist,
             lookups / 1e4,
             lookups * table.dim * bpe / 1e6,
             b / 1e4,

@@ -36,8 +36,9 @@ def raw_features(table: Table, batch_size: int, trace_histograms: str = "given")
     """Raw (un-normalised) inputs of one table at `batch_size` (float32); a table without a
     reuse histogram gets its imputed one (`features.with_histogram`); a traced table its
     replay's with `trace_histograms="replay"` (`features.piece_histogram`, as the cost models)."""
-    fill = F.piece_histogram if trace_histograms == "replay" else F.with_histogram
-    return F.table_features(fill(table, batch_size)[0], batch_size)
+    if trace_histograms == "replay" and table.trace is not None:
+        table = F.piece_histogram(table, batch_size)[0]
+    return F.table_features(table, batch_size)  # which imputes a missing histogram itself
 
 
 @dataclass
