@@ -200,7 +200,8 @@ def test_look_ahead_on_many_devices_packs_as_plain_decreasing_fit(fit):
         needs = np.minimum(np.concatenate([big, small, small[: len(small) // 4]]), cap)  # some equal
         free = rng.integers(0, cap + 1, size=d) if trial % 2 else np.full(d, cap)
         ahead = LookAhead(free, needs.tolist(), fit="first")
-        ahead.pending[:] = rng.random(len(needs)) < 0.8
+        for k in np.flatnonzero(rng.random(len(needs)) >= 0.8):  # a fifth placed already
+            ahead.forget(int(k))
         got = ahead._pack(free, fit)
         f = free.astype(np.int64).copy()
         want = {}
@@ -279,7 +280,8 @@ def test_worst_fit_by_rounds_is_worst_fit_one_piece_at_a_time(shape, monkeypatch
             needs = rng.integers(1 << 50, 1 << 56, size=int(rng.integers(d, 3 * d)))
         pending = rng.random(len(needs)) < 0.9
         ahead = LookAhead(np.full(d, 1 << 62), needs.tolist(), fit="first")
-        ahead.pending[:] = pending
+        for k in np.flatnonzero(~pending):
+            ahead.forget(int(k))
         got = ahead._pack(free, "worst")
         want = _worst_fit_one_at_a_time(free, needs, pending)
         verdicts.add(want is not None)
@@ -562,8 +564,10 @@ def test_a_repack_turned_down_from_its_largest_pieces_would_have_failed(fit, mon
         needs = np.concatenate([big, rng.integers(1, cap // 200, size=int(rng.integers(d, 4 * d)))])
         pending = rng.random(len(needs)) < 0.9
         ahead = LookAhead(np.full(d, 1 << 62), needs.tolist(), fit="first")
-        ahead.pending[:] = pending
-        ahead.forget(int(np.flatnonzero(pending)[0]))  # the head moves past a placed piece
+        for k in np.flatnonzero(~pending):
+            ahead.forget(int(k))
+        ahead._pack(free, fit)  # the largest pending pieces are noted, and stay noted until one is placed
+        ahead.forget(int(np.argmax(np.where(pending, needs, -1))))
         pending = ahead.pending.copy()
         got = ahead._pack(free, fit)
         want = (_first_fit_one_at_a_time(free, needs, pending) if fit == "first"

@@ -49,6 +49,7 @@ class LookAhead:
         self.pending = np.ones(len(self.needs), dtype=bool)
         self.num_pending = len(self.needs)
         self._head = 0  # every piece of _desc before it is placed (pieces are only ever placed)
+        self._largest: tuple[int, list[int], set[int]] | None = None  # _largest_pending's (r, needs, pieces)
         self.assign = np.full(len(self.needs), -1, dtype=np.int64)
         self.slack = np.asarray(free, dtype=np.int64).copy()
         self.valid = self._repack(np.asarray(free, dtype=np.int64))
@@ -60,7 +61,9 @@ class LookAhead:
     # ------------------------------------------------------------------ packing
     def _largest_pending(self, r: int) -> list[int]:
         """The needs of the (at most) `r` largest pending pieces, largest first, in the order
-        `_pack` places them; O(r) amortised, not O(pieces)."""
+        `_pack` places them; O(r) amortised, not O(pieces), and kept until one of them is placed."""
+        if self._largest is not None and self._largest[0] == r:
+            return self._largest[1]
         desc, pending = self._desc, self.pending
         h, n = self._head, len(desc)
         while h < n and not pending[desc[h]]:
@@ -71,7 +74,9 @@ class LookAhead:
         if len(got) < r and h + 4 * r < n:
             rest = desc[h:]
             got = rest[pending[rest]]
-        return self.needs[got[:r]].tolist()
+        got = got[:r]
+        self._largest = (r, self.needs[got].tolist(), set(got.tolist()))
+        return self._largest[1]
 
     def _fails_early(self, free: np.ndarray, fit: str, r: int = 16) -> bool:
         """Whether packing by `fit` into `free` (more than 32 devices) fails within its first
@@ -82,20 +87,17 @@ class LookAhead:
         if not needs:
             return False
         if fit == "worst":
-            # the first r pieces only reach the r highest keys (each step takes the highest: a
-            # device lowered before, or the next untouched one)
+            # the first r pieces only reach the r roomiest devices (each step takes the roomiest:
+            # a device lowered before, or the next untouched one), and whether one of them does
+            # not fit depends on the rooms alone, not on which of equally roomy devices it takes
             m = len(free)
-            shift = max(1, m - 1).bit_length()
-            if int(np.max(free)) >= 1 << (62 - shift):
-                return False  # keys would overflow int64: the heap decides
-            keys = (free.astype(np.int64) << shift) | (((1 << shift) - 1) - np.arange(m, dtype=np.int64))
             k = min(len(needs), m)
-            top = np.partition(keys, m - k)[m - k:].tolist()
+            top = [-x for x in np.partition(free, m - k)[m - k:].tolist()]
+            heapq.heapify(top)
             for need in needs[:k]:
-                best = max(top)
-                if best >> shift < need:
+                if -top[0] < need:
                     return True
-                top[top.index(best)] = best - (need << shift)
+                heapq.heapreplace(top, top[0] + need)
             return False
         # first fit: a device with less room than the smallest of these pieces takes none of
         # them, so they go where they would among the devices that have it, in index order
@@ -309,6 +311,8 @@ class LookAhead:
         self._mends = {}
         self.pending[i] = False
         self.num_pending -= 1
+        if self._largest is not None and i in self._largest[2]:
+            self._largest = None
         if self.valid:
             self.slack[self.assign[i]] += self.needs[i]
 
