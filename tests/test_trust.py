@@ -59,6 +59,22 @@ def test_planning_view_fills_and_flags_missing_histograms():
     assert with_histogram(task.table("b"), 2048) == (task.table("b"), False)
 
 
+def test_the_poisson_cdf_skips_only_entries_that_are_one():
+    """The imputation's Poisson CDF at the reuse-bin edges evaluates the incomplete gamma
+    function only where the Chernoff bound leaves it below 1 to double precision: bit for bit the
+    full evaluation over rates from 1e-300 to 1e7 (and 0), with most entries skipped at small rates."""
+    from embshard.data import synthetic as syn
+
+    lam = np.concatenate([[0.0, 1e-300], np.logspace(-40, 7, 20_000),
+                          np.random.default_rng(3).lognormal(2.0, 4.0, 20_000)])
+    full = torch.special.gammaincc(torch.as_tensor(syn._EDGES + 1.0)[None, :],
+                                   torch.as_tensor(lam)[:, None].expand(-1, len(syn._EDGES)))
+    got = syn._poisson_cdf_at_edges(lam)
+    assert torch.equal(got, full)
+    skipped = (syn._NEGLIGIBLE_BELOW[None, :] > lam[:, None]).mean()
+    assert skipped > 0.3 and bool((full[torch.as_tensor(syn._NEGLIGIBLE_BELOW[None, :] > lam[:, None])] == 1.0).all())
+
+
 def test_many_tables_are_imputed_at_once_exactly_as_one_at_a_time():
     """The batched imputation (one Poisson call for many tables, split in chunks) gives each
     table, bit for bit, the row bins of the one-table expectation."""

@@ -353,17 +353,60 @@ def _rank_groups(rows: int, s: float, q: float, exact: int = 256, ratio: float =
     return size, np.diff(cdf) / size
 
 
+_EDGES = np.concatenate([[0.0], _BIN_HI])  # C(k) = P(X <= k) is taken at 0, 1, 2, 4, ..., 32768
+
+
+def _below_negligible(a: float, log_eps: float = math.log(1e-40)) -> float:
+    """The rate below which P(Poisson(rate) >= a) is under 1e-40 by the Chernoff bound
+    exp(-rate + a (1 + ln rate - ln a)) (increasing in rate below a), a little low for safety:
+    there P(X <= a - 1) is 1 to double precision."""
+    lo, hi = 0.0, float(a)
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid <= 0.0 or -mid + a * (1.0 + math.log(mid) - math.log(a)) < log_eps:
+            lo = mid
+        else:
+            hi = mid
+    return lo * (1.0 - 1e-9)
+
+
+#: per edge e of _EDGES, the rates below which P(X <= e) is 1 to double precision (ascending)
+_NEGLIGIBLE_BELOW = np.array([_below_negligible(e + 1.0) for e in _EDGES])
+
+
+def _poisson_cdf_at_edges(lam: np.ndarray) -> torch.Tensor:
+    """[len(lam), 17] P(Poisson(lam) <= e) at the edges e of `_EDGES`: the regularised upper
+    incomplete gamma function Q(e + 1, lam), evaluated only where it is not 1 to double
+    precision (above about twice the rate; there it is 1.0 exactly, as the function returns
+    it): for a task's thousands of tables more than half the entries, and the same values."""
+    lam = np.asarray(lam, dtype=np.float64)
+    known = np.searchsorted(_NEGLIGIBLE_BELOW, lam, side="right")  # edges not negligible: a prefix
+    order = np.argsort(known, kind="stable")  # rows by how many edges they need, in blocks
+    bounds = np.searchsorted(known[order], np.arange(len(_EDGES) + 2))
+    lam_sorted = torch.as_tensor(lam[order])
+    a = torch.as_tensor(_EDGES + 1.0, dtype=torch.float64)
+    block = torch.ones((len(lam), len(_EDGES)), dtype=torch.float64)
+    for k in range(1, len(_EDGES) + 1):
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        if hi > lo:
+            block[lo:hi, :k] = torch.special.gammaincc(a[None, :k].expand(hi - lo, -1),
+                                                       lam_sorted[lo:hi, None].expand(-1, k))
+    out = torch.empty_like(block)
+    out[torch.as_tensor(order)] = block
+    return out
+
+
 def _poisson_bin_moments(lam: np.ndarray, access: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """For Poisson(lam): P(count in bin k) and E[count; count in bin k], shape [len(lam), 17]
     (the second is None when not `access`: it costs as much again)."""
     lam_t = torch.as_tensor(lam, dtype=torch.float64)[:, None]
     # C(k) = P(X <= k) = Q(k + 1, lam); edges 0, 1, 2, 4, ..., 32768, inf.
-    edges = torch.as_tensor(np.concatenate([[0.0], _BIN_HI]), dtype=torch.float64)[None, :]
+    edges = torch.as_tensor(_EDGES, dtype=torch.float64)[None, :]
 
     def cdf(k: torch.Tensor) -> torch.Tensor:
         return torch.special.gammaincc(k + 1.0, lam_t.expand(-1, k.shape[1]))
 
-    c = cdf(edges)                                        # P(X <= e)
+    c = _poisson_cdf_at_edges(lam)                        # P(X <= e)
     rows = torch.cat([c[:, 1:] - c[:, :-1], 1.0 - c[:, -1:]], dim=1)
     if not access:
         return rows.numpy(), None
