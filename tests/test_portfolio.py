@@ -192,14 +192,33 @@ def test_workers_must_be_a_positive_count_or_auto(workers):
 
 
 def test_auto_plans_small_tasks_in_this_process_and_big_ones_on_every_core():
-    from embshard.search.portfolio import PARALLEL_FROM_PAIRS
+    """`workers="auto"` plans a small task in this process and forks one worker per core (at most
+    one per member) from PARALLEL_FROM_TABLES tables or PARALLEL_FROM_PAIRS table x device pairs
+    on, but never inside a daemonic process (a multiprocessing pool's worker), which may not
+    start children."""
+    import multiprocessing as mp
+
+    from embshard.search.portfolio import PARALLEL_FROM_PAIRS, PARALLEL_FROM_TABLES
 
     p = PortfolioSharder({f"m{i}": GreedySharder("size") for i in range(64)}, ranker=None)
-    small = tiny_task()
-    assert p.worker_count(small) == 1
-    big = Task("big", 128, 2**40, 256, tuple(Table(f"t{i}", 10, 4, 1.0) for i in range(-(-PARALLEL_FROM_PAIRS // 128))))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert p.worker_count(big) == (min(cores, 64) if sys.platform == "linux" else 1)
+    every = min(cores, 64) if sys.platform == "linux" else 1
+    assert p.worker_count(tiny_task()) == 1
+    many = Task("many", 2, 2**40, 256, tuple(Table(f"t{i}", 10, 4, 1.0) for i in range(PARALLEL_FROM_TABLES)))
+    assert p.worker_count(many) == every
+    assert p.worker_count(Task("fewer", 2, 2**40, 256, many.tables[:-1])) == 1
+    wide = Task("wide", -(-PARALLEL_FROM_PAIRS // (PARALLEL_FROM_TABLES - 1)), 2**40, 256, many.tables[:-1])
+    assert len(wide.tables) < PARALLEL_FROM_TABLES and p.worker_count(wide) == every
+    assert PortfolioSharder({"size_greedy": GreedySharder("size")}, ranker=None).worker_count(many) == 1
+    if sys.platform != "linux":
+        return
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=lambda: q.put(p.worker_count(many)), daemon=True)
+    child.start()
+    got = q.get(timeout=60)
+    child.join(60)
+    assert got == 1
 
 
 @pytest.mark.parametrize("learned_ms, expect", [(8.0, "learned"), (12.0, "size_greedy")])

@@ -48,9 +48,11 @@ log = logging.getLogger(__name__)
 #: the learned members, by their conf/search names
 LEARNED = ("neuroshard", "dreamshard", "autoshard")
 
-#: `workers="auto"` plans the members in parallel from this many table x device pairs on
-#: (856 x 128 is 109,568): below it every member plans in well under a second, less than
-#: starting the worker processes costs
+#: `workers="auto"` plans the members in forked workers on tasks of at least this many tables or
+#: of PARALLEL_FROM_PAIRS table x device pairs (856 x 128 is 109,568): from about 100 tables on
+#: the learned members take long enough that workers save a third or more of the wall time
+#: (`scripts/bench_portfolio_workers.py`); below, neither way is faster beyond the run-to-run noise
+PARALLEL_FROM_TABLES = 100
 PARALLEL_FROM_PAIRS = 100_000
 
 #: (the portfolio, the task, the ranker) while its members plan in forked workers, which
@@ -93,9 +95,10 @@ class PortfolioSharder(GuardSlot):
             verify_search_contenders: the guard's settings (`MeasuredGuard`).
         workers: how many members plan at once, each in a forked worker process (Linux; one
             thread each); 1: one after another in this process; "auto": the machine's cores
-            (at most one per member) on tasks of at least PARALLEL_FROM_PAIRS table x device
-            pairs, else 1. The plans are the same either way (every member seeds its own
-            sampling); only the wall time differs.
+            (at most one per member) on tasks of at least PARALLEL_FROM_TABLES tables or
+            PARALLEL_FROM_PAIRS table x device pairs, else 1, and 1 in a daemonic process
+            (which may not start workers). The plans are the same either way (every member
+            seeds its own sampling); only the wall time differs.
         name: the algorithm name of the plans.
     """
 
@@ -164,7 +167,9 @@ class PortfolioSharder(GuardSlot):
         if sys.platform != "linux" or "fork" not in multiprocessing.get_all_start_methods():
             return 1
         if self.workers == "auto":
-            if len(task.tables) * task.num_devices < PARALLEL_FROM_PAIRS:
+            if multiprocessing.current_process().daemon:  # a pool's worker: it may not have children
+                return 1
+            if len(task.tables) < PARALLEL_FROM_TABLES and len(task.tables) * task.num_devices < PARALLEL_FROM_PAIRS:
                 return 1
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             return max(1, min(cores, len(self.members)))
