@@ -15,7 +15,11 @@ Two callers, two rules:
   NeuroShard's plans on tight tasks (which device the later steps try depends on the proof);
 * `embshard.plan.MemoryLedger` (`forget`, `packs_after`, `took`): every heuristic's and RL
   policy's placements; a device is accepted when the proof's slack has room, when the proof
-  mended holds it (`_repair`), or when first-fit decreasing from scratch packs the rest.
+  mended holds it (`_repair`), or when first-fit decreasing from scratch packs the rest, and
+  turned down at once where the largest pending pieces fit by no packing (`unpackable`).
+
+Either way a repack that fails within its 16 largest pieces, as most do under tight memory, is
+told from those pieces and the rooms they can reach (`_fails_early`) before it is set up.
 """
 
 from __future__ import annotations
