@@ -4,6 +4,10 @@
 Example:
     .venv/bin/python scripts/bench_portfolio_workers.py --sizes 8x2,24x4,48x4,128x8,256x8,512x16,1366x12
 
+With `--task-file`, times the portfolio on that task instead, `--repeats` times for each of
+`--workers` (e.g. the harsh 5,384 x 1,024 task of `scripts/bench_rl_planning.py --save-task`):
+    .venv/bin/python scripts/bench_portfolio_workers.py --task-file harsh.json --workers auto --repeats 10
+
 Tasks are a user's tables without reuse histograms (rows 1,000-2,000,000, dims 4-128, pooling
 factor 1-40, batch 4096, device memory 1.5x an even share and at least 1.05x the largest table),
 planned by `PortfolioSharder(verify=0)` (nothing measured). The two settings alternate, each on a
@@ -33,8 +37,8 @@ def user_task(tables: int, devices: int, seed: int) -> Task:
     return Task(f"user-{tables}x{devices}", devices, int(max(1.5 * sum(need) / devices, 1.05 * max(need))), 4096, ts)
 
 
-def timed(tables: int, devices: int, seed: int, workers: int | str) -> float:
-    task = user_task(tables, devices, seed)
+def timed(tables: int, devices: int, seed: int, workers: int | str, task_file: str | None = None) -> float:
+    task = Task.load(task_file) if task_file else user_task(tables, devices, seed)
     features._IMPUTED.clear()  # every run imputes its tables' histograms itself
     p = PortfolioSharder(workers=workers, verify=0)
     p.ranking_model()
@@ -48,8 +52,16 @@ def main() -> None:
     ap.add_argument("--sizes", default="8x2,24x4,48x4,128x8,256x8,512x16,1366x12", help="TABLESxDEVICES,...")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each setting per size")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task-file", help="time the portfolio on this task file instead of generated sizes")
+    ap.add_argument("--workers", default="1,auto", help="with --task-file: the settings to time, e.g. auto")
     args = ap.parse_args()
     timed(8, 2, args.seed + 1, "auto")  # warm-up: imports, checkpoints
+    if args.task_file:
+        settings = [w if w == "auto" else int(w) for w in args.workers.split(",")]
+        for i in range(args.repeats):
+            for w in settings:
+                print(f"{args.task_file} run {i + 1} workers={w}: {timed(0, 0, args.seed, w, args.task_file):.2f} s", flush=True)
+        return
     print(f"{'tables x devices':>16}  {'workers=1 (s)':>16}  {'workers=auto (s)':>18}  auto / 1")
     for size in args.sizes.split(","):
         tables, devices = (int(x) for x in size.split("x"))
