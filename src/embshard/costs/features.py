@@ -237,12 +237,17 @@ def _has_histogram(table: Table) -> bool:
     return table.reuse_histogram is not None and sum(table.reuse_histogram) > 0
 
 
+def _histogram_of(table: Table, batch_size: int) -> tuple[tuple[float, ...], bool]:
+    """(the reuse histogram a cost model sees for `table` at `batch_size`, whether it was imputed)."""
+    if _has_histogram(table):
+        return table.reuse_histogram, False
+    return imputed_histogram(table.rows, table.pooling_factor, int(batch_size)), True
+
+
 def with_histogram(table: Table, batch_size: int) -> tuple[Table, bool]:
     """(`table` with a reuse histogram, whether it was imputed)."""
-    if _has_histogram(table):
-        return table, False
-    hist = imputed_histogram(table.rows, table.pooling_factor, int(batch_size))
-    return replace(table, reuse_histogram=hist), True
+    hist, imputed = _histogram_of(table, batch_size)
+    return (replace(table, reuse_histogram=hist) if imputed else table), imputed
 
 
 #: how a traced table's reuse histogram reaches a cost model: "replay" (its replay at the task's
@@ -291,8 +296,7 @@ def table_features(table: Table, batch_size: int) -> np.ndarray:
     callers that want the flag use `with_histogram` / `planning_view` first."""
     # the histogram `with_histogram` would give the table, without building that table (a
     # planner asks for thousands of pieces' features)
-    hist = (table.reuse_histogram if _has_histogram(table)
-            else imputed_histogram(table.rows, table.pooling_factor, int(batch_size)))
+    hist, _ = _histogram_of(table, batch_size)
     b = float(batch_size)
     bpe = float(table.bytes_per_element)
     lookups = table.pooling_factor * b
