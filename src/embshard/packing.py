@@ -82,6 +82,12 @@ class LookAhead:
         self._largest = (r, self.needs[got].tolist(), set(got.tolist()))
         return self._largest[1]
 
+    @staticmethod
+    def _roomiest(free: np.ndarray, k: int) -> list[int]:
+        """The `k` largest rooms of `free`, most first."""
+        m = len(free)
+        return sorted(np.partition(free, m - k)[m - k:].tolist(), reverse=True)
+
     def _fails_early(self, free: np.ndarray, fit: str, r: int = 16) -> bool:
         """Whether packing by `fit` into `free` (more than 32 devices) fails within its first
         `r` pieces, told from the rooms those pieces can reach without the O(pieces) set-up of
@@ -94,10 +100,8 @@ class LookAhead:
             # the first r pieces only reach the r roomiest devices (each step takes the roomiest:
             # a device lowered before, or the next untouched one), and whether one of them does
             # not fit depends on the rooms alone, not on which of equally roomy devices it takes
-            m = len(free)
-            k = min(len(needs), m)
-            top = [-x for x in np.partition(free, m - k)[m - k:].tolist()]
-            heapq.heapify(top)
+            k = min(len(needs), len(free))
+            top = [-x for x in self._roomiest(free, k)]  # a heap already: ascending
             for need in needs[:k]:
                 if -top[0] < need:
                     return True
@@ -125,9 +129,7 @@ class LookAhead:
         needs = self._largest_pending(r)
         if not needs:
             return False
-        free = np.asarray(free, dtype=np.int64)
-        k = min(len(needs), len(free))
-        rooms = sorted(np.partition(free, len(free) - k)[len(free) - k:].tolist(), reverse=True)  # the roomiest
+        rooms = self._roomiest(np.asarray(free, dtype=np.int64), min(len(needs), len(free)))
         most = rooms[0]
         for j, need in enumerate(needs):
             if j and needs[j - 1] + need <= most:
