@@ -1,6 +1,6 @@
-"""DreamShard's and AutoShard's argmax planning episodes in numpy (search/rl/numpy_episode.py)
-against the torch networks and the torch rollout they stand in for, and `placement_costs`
-against `device_costs`."""
+"""DreamShard's and AutoShard's planning episodes (argmax and sampled) in numpy
+(search/rl/numpy_episode.py) against the torch networks and the torch rollout they stand in
+for, and `placement_costs` against `device_costs`."""
 
 from __future__ import annotations
 
@@ -135,18 +135,43 @@ def test_numpy_episode_places_every_table_where_the_torch_episode_does(algorithm
     assert float(fast.estimated_ms[0]) == pytest.approx(agent.estimate_plan(task, plan), rel=1e-5)
 
 
+@pytest.mark.parametrize("algorithm", ["dreamshard", "autoshard"])
+@pytest.mark.parametrize("n,d,m", [(30, 4, 128), (12, 2, None), (40, 8, 8), (60, 24, 8), (100, 150, 128)])
+def test_sampled_episodes_in_numpy_place_every_table_where_the_torch_rollout_does(algorithm, n, d, m):
+    """The same noise from the same generator: every sampled episode puts every table on the
+    device the torch rollout's does (on all devices by number, and on a lazy step's candidates
+    by rank), and the generator is left where the torch rollout leaves it."""
+    agent = SHARDERS[algorithm](f"checkpoints/{algorithm}_cpu/policy.pt").load()
+    task = make_task(n, d, seed=n + d)
+    g_torch, g_numpy = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        view = agent.prepare(task)
+        want = rollout(agent, view, 6, train=False, sample=True, argmax_first=True, generator=g_torch, max_candidates=m)
+        got = agent.planning_episodes(view, 5, g_numpy, m)
+    assert got.devices.shape == want.devices.shape == (6, n)
+    assert groups(got.devices[0]) == groups(want.devices[0])  # the argmax episode: up to identical devices
+    assert got.devices[1:].tolist() == want.devices[1:].tolist()
+    assert len({tuple(r) for r in got.devices[1:].tolist()}) > 1  # the noise does make episodes differ
+    assert torch.equal(g_numpy.get_state(), g_torch.get_state())
+    torch.testing.assert_close(got.estimated_ms, want.estimated_ms, rtol=1e-5, atol=0)
+    for k in range(6):
+        validate(task, got.plan(k, algorithm))
+
+
 @pytest.mark.parametrize("algorithm,cls", [("dreamshard", NumpyDreamShard), ("autoshard", NumpyAutoShard)])
-def test_argmax_planning_goes_through_numpy_and_sampling_through_torch(monkeypatch, algorithm, cls):
+def test_planning_goes_through_numpy_argmax_and_sampled_alike(monkeypatch, algorithm, cls):
     agent = SHARDERS[algorithm](f"checkpoints/{algorithm}_cpu/policy.pt", samples=0).load()
     task = make_task(30, 10)
     calls = []
-    real = cls.episode
-    monkeypatch.setattr(cls, "episode", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    for route in ("episode", "sampled"):
+        real = getattr(cls, route)
+        monkeypatch.setattr(cls, route, lambda self, *a, _r=real, _n=route, **k: calls.append(_n) or _r(self, *a, **k))
     argmax, _ = best_plan(agent, task, 0, algorithm=algorithm, max_candidates=4)
-    assert calls == [1]
-    best_plan(agent, task, 3, generator=torch.Generator().manual_seed(0), algorithm=algorithm, max_candidates=4)
-    assert calls == [1]  # sampled episodes run in the torch rollout
+    assert calls == ["episode"]
+    best, _ = best_plan(agent, task, 3, generator=torch.Generator().manual_seed(0), algorithm=algorithm, max_candidates=4)
+    assert calls == ["episode", "episode", "sampled"]  # the argmax episode, then the sampled ones
     validate(task, argmax)
+    validate(task, best)
 
 
 def test_a_steps_cheapest_devices_are_those_of_the_full_stable_sort():

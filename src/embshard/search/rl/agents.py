@@ -10,8 +10,9 @@ recorded instead of recomputed.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as Fn
 
@@ -58,11 +59,26 @@ def _pad(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
     return torch.cat([Fn.pad(r, (0, width - r.shape[1])) for r in rows], dim=0)
 
 
-def _argmax_rollouts(agent, view: TaskView, state: dict[str, torch.Tensor], devices) -> Rollouts:
-    """A numpy argmax episode as `env.rollout` returns it: `state` holds the end's sums and counts."""
-    overflow = torch.zeros(1, dtype=torch.bool)
-    return Rollouts(view, torch.from_numpy(devices)[None], torch.ones(1, view.num_tables, dtype=torch.bool),
+def _numpy_rollouts(agent, view: TaskView, state: dict[str, torch.Tensor], devices: np.ndarray) -> Rollouts:
+    """K numpy planning episodes as `env.rollout` returns them: `devices` [K, N], `state` holds
+    the end's sums and counts."""
+    k = len(devices)
+    overflow = torch.zeros(k, dtype=torch.bool)
+    return Rollouts(view, torch.from_numpy(devices), torch.ones(k, view.num_tables, dtype=torch.bool),
                     agent.estimate(view, state), agent.reward(view, state, overflow), overflow)
+
+
+def _with_sampled(fast: Any, view: TaskView, samples: int, generator: torch.Generator | None,
+                  max_candidates: int | None, inputs: dict[str, torch.Tensor]) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """The numpy argmax episode and `samples` sampled ones after it (`numpy_episode`): devices
+    [1 + K, N], the devices' sums [1 + K, D, E] and counts [1 + K, D]."""
+    devices, sums, counts = fast.episode(view, max_candidates, **inputs)
+    devices, sums, counts = devices[None], sums[None].copy(), counts[None].copy()
+    if samples > 0:
+        more, s, c = fast.sampled(view, samples, generator, max_candidates, **inputs)
+        devices, sums, counts = (np.concatenate([devices, more]), np.concatenate([sums, s]),
+                                 np.concatenate([counts, c]))
+    return devices, torch.from_numpy(sums), torch.from_numpy(counts)
 
 
 class _Estimating:
@@ -71,6 +87,12 @@ class _Estimating:
     def argmax_episode(self, view: TaskView, max_candidates: int | None) -> Rollouts | None:
         """The argmax planning episode by a faster route than `env.rollout`, or None where the
         agent has none (then `env.rollout` plans)."""
+        return self.planning_episodes(view, 0, None, max_candidates)
+
+    def planning_episodes(self, view: TaskView, samples: int, generator: torch.Generator | None,
+                          max_candidates: int | None) -> Rollouts | None:
+        """The argmax planning episode and `samples` sampled ones (episode 0 the argmax) by a
+        faster route than `env.rollout`, or None where the agent has none."""
         return None
 
     def estimate_plan(self, task: Task, plan: Plan) -> float:
@@ -109,18 +131,19 @@ class DreamShardAgent(_Estimating):
         return {"costnet": self.costnet, "policy": self.policy}
 
     @torch.no_grad()
-    def argmax_episode(self, view: TaskView, max_candidates: int | None) -> Rollouts | None:
-        """The argmax planning episode in numpy (`numpy_episode`: the same networks and steps,
-        a fraction of torch's per-operation cost), for the shipped kind of networks."""
+    def planning_episodes(self, view: TaskView, samples: int, generator: torch.Generator | None,
+                          max_candidates: int | None) -> Rollouts | None:
+        """The planning episodes in numpy (`numpy_episode`: the same networks and steps, a
+        fraction of torch's per-operation cost), for the shipped kind of networks."""
         if not numpy_episode.supported(self.costnet, self.policy):
             return None
         state = self.init_state(view, 1)
         fast = numpy_episode.NumpyDreamShard(self.costnet, self.policy)
-        devices, sums, counts = fast.episode(view, max_candidates, enc_c=view.cache["enc_c"], enc_p=state["enc_p"],
-                                             init_costs=state["costs"][0])
-        state["S"], state["cnt"] = torch.from_numpy(sums)[None], torch.from_numpy(counts)[None]
+        devices, state["S"], state["cnt"] = _with_sampled(
+            fast, view, samples, generator, max_candidates,
+            {"enc_c": view.cache["enc_c"], "enc_p": state["enc_p"], "init_costs": state["costs"][0]})
         state["costs"] = self.costnet.device_costs(state["S"], state["cnt"])
-        return _argmax_rollouts(self, view, state, devices)
+        return _numpy_rollouts(self, view, state, devices)
 
     # ------------------------------------------------------------------ episode
     @torch.no_grad()
@@ -309,14 +332,15 @@ class AutoShardAgent(_Estimating):
         return view
 
     @torch.no_grad()
-    def argmax_episode(self, view: TaskView, max_candidates: int | None) -> Rollouts | None:
-        """The argmax planning episode in numpy (`numpy_episode`), for the shipped kind of network."""
+    def planning_episodes(self, view: TaskView, samples: int, generator: torch.Generator | None,
+                          max_candidates: int | None) -> Rollouts | None:
+        """The planning episodes in numpy (`numpy_episode`), for the shipped kind of network."""
         if not numpy_episode.autoshard_supported(self.net):
             return None
         fast = numpy_episode.NumpyAutoShard(self.net)
-        devices, sums, counts = fast.episode(view, max_candidates, enc=view.cache["enc"], h=view.cache["h"])
-        state = {"S": torch.from_numpy(sums)[None], "cnt": torch.from_numpy(counts)[None]}
-        return _argmax_rollouts(self, view, state, devices)
+        devices, sums, counts = _with_sampled(fast, view, samples, generator, max_candidates,
+                                              {"enc": view.cache["enc"], "h": view.cache["h"]})
+        return _numpy_rollouts(self, view, {"S": sums, "cnt": counts}, devices)
 
     def init_state(self, view, k, lazy: bool = False):
         d = view.num_devices

@@ -102,6 +102,12 @@ class Agent(Protocol):
         """The argmax planning episode by a faster route than `rollout`, or None (no such route)."""
         ...
 
+    def planning_episodes(self, view: TaskView, samples: int, generator: torch.Generator | None,
+                          max_candidates: int | None) -> "Rollouts | None":
+        """`rollout`'s planning episodes (the argmax one, then `samples` sampled ones, the same
+        noise from `generator`) by a faster route, or None (no such route)."""
+        ...
+
     def finish(self, view: TaskView, state: dict[str, torch.Tensor]) -> None:
         """Bring a lazy state up to date before `estimate`."""
         ...
@@ -297,13 +303,12 @@ def _place_candidates(agent: Agent, view: TaskView, state: dict[str, torch.Tenso
 
 def _planning_rollout(agent: Agent, task: Task, samples: int, generator: torch.Generator | None,
                       max_candidates: int | None) -> Rollouts:
-    """The argmax episode and `samples` sampled ones of a plan search (episode 0 the argmax);
-    the argmax alone by the agent's faster route where it has one."""
+    """The argmax episode and `samples` sampled ones of a plan search (episode 0 the argmax),
+    by the agent's faster route where it has one."""
     view = agent.prepare(task)
-    if samples == 0:
-        fast = agent.argmax_episode(view, max_candidates)
-        if fast is not None:
-            return fast
+    fast = agent.planning_episodes(view, samples, generator, max_candidates)
+    if fast is not None:
+        return fast
     return rollout(agent, view, 1 + samples, train=False, sample=samples > 0, argmax_first=True,
                    generator=generator, max_candidates=max_candidates)
 

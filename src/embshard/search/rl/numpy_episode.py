@@ -1,5 +1,6 @@
-"""DreamShard's and AutoShard's argmax planning episodes in numpy: the same networks and the
-same steps as the torch rollout (`env.rollout`, train=False, one episode), for planning only.
+"""DreamShard's and AutoShard's planning episodes in numpy, the argmax one and the sampled
+ones of a best-of-K search: the same networks and the same steps as the torch rollout
+(`env.rollout`, train=False), for planning only.
 
 A planning step is dozens of tiny tensor operations on at most `max_candidates` devices; through
 torch each pays several microseconds of dispatch, which is most of a step, and 5,384 tables take
@@ -14,6 +15,15 @@ other device cheapest first; the device that took the table is priced again, alo
 torch step prices every DreamShard candidate for that in advance, to save a network call; here
 one row costs less than M). Ties between equal logits (identical devices) are broken by device
 number, so a plan can differ from the torch episode's by a relabelling of identical devices.
+
+The sampled episodes of a best-of-K search (`sampled`) run in lockstep, one set of array
+operations per step for all of them, as the torch rollout batches them: each step draws the
+torch rollout's uniform noise from the same generator, in the same shape and order, and turns
+it into Gumbel noise by the same torch operations, so a sampled episode perturbs the logits by
+exactly what the torch episode does; its devices are scored as the torch step scores them (every
+device, by device number, on a task of at most `m` devices; else the `m` cheapest with room, by
+rank). The logits themselves agree with torch's to float rounding, so a near-tie can still go
+the other way. The argmax episode of the search is `episode`'s.
 """
 
 from __future__ import annotations
@@ -108,6 +118,70 @@ class _Episode:
 
     def took(self, t: int, dev: int) -> None:
         raise NotImplementedError
+
+    # the same for K episodes in lockstep (`sampled`): state arrays gain a leading episode axis
+    def start_batch(self, view: TaskView, k: int, **inputs: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def scores_batch(self) -> np.ndarray:
+        """[K, D] each episode's devices' predicted cost now."""
+        raise NotImplementedError
+
+    def logits_batch(self, t: int, cand: np.ndarray, used: np.ndarray) -> np.ndarray:
+        """[K, M] logits of each episode's candidate devices `cand` [K, M] for table t; `used`
+        [K, D]: the share of each device's memory in use."""
+        raise NotImplementedError
+
+    def took_batch(self, t: int, devs: np.ndarray) -> None:
+        """Episode i's device devs[i] took table t."""
+        raise NotImplementedError
+
+    def batch_sums(self) -> tuple[np.ndarray, np.ndarray]:
+        """The devices' encoding sums [K, D, E] and table counts [K, D] of the K episodes."""
+        raise NotImplementedError
+
+    def sampled(self, view: TaskView, k: int, generator: torch.Generator | None, max_candidates: int | None,
+                **inputs: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """K sampled episodes (module doc): (the device of each table [K, N] in placement order,
+        the devices' encoding sums [K, D, E] and table counts [K, D] at their end). The noise is
+        that of episodes 1..K of the torch rollout of 1 + K episodes (episode 0 the argmax)."""
+        with threadpool_limits(1, user_api="blas"):
+            return self._run_sampled(view, k, generator, max_candidates, inputs)
+
+    def _run_sampled(self, view: TaskView, k: int, generator: torch.Generator | None, max_candidates: int | None,
+                     inputs: dict[str, torch.Tensor]):
+        task, n, d = view.task, view.num_tables, view.num_devices
+        check_fits_anywhere(task)
+        lazy = max_candidates is not None and d > int(max_candidates)  # as `env.rollout` decides
+        m = int(max_candidates) if lazy else d
+        self.start_batch(view, k, **inputs)
+        ledgers = [MemoryLedger(task, pending=view.needs) for _ in range(k)]
+        free = np.array([led.free for led in ledgers], dtype=np.float64)  # [K, D]
+        memory = float(task.device_memory_bytes)
+        used = np.zeros((k, d), dtype=np.float32)
+        every = np.broadcast_to(np.arange(d), (k, d))
+        rows = np.arange(k)
+        tables = view.tables
+        out = np.empty((k, n), dtype=np.int64)
+        for t in range(n):
+            need = view.needs[t]
+            # the torch rollout's draw for its 1 + K episodes; the argmax episode's row is unused
+            u = torch.rand((1 + k, m), generator=generator).clamp(1e-9, 1 - 1e-9)
+            gumbel = (-torch.log(-torch.log(u[1:]))).numpy()
+            score = self.scores_batch().astype(np.float64)
+            score[free < need] = np.inf
+            cand = np.stack([_cheapest_first(score[i], m) for i in range(k)]) if lazy else every
+            noisy = self.logits_batch(t, cand, used) + gumbel
+            first = np.take_along_axis(cand, np.argsort(-noisy, axis=1, kind="stable"), axis=1).tolist()
+            devs = np.empty(k, dtype=np.int64)
+            for i, led in enumerate(ledgers):
+                rest = _the_rest(score[i], m) if lazy else ()
+                devs[i] = led.place(tables[t], need, itertools.chain(first[i], rest))
+                free[i, devs[i]] = led.free[devs[i]]
+            out[:, t] = devs
+            used[rows, devs] = 1.0 - free[rows, devs] / memory
+            self.took_batch(t, devs)
+        return (out, *self.batch_sums())
 
     def episode(self, view: TaskView, max_candidates: int | None,
                 **inputs: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -270,6 +344,48 @@ class NumpyDreamShard(_Episode):
                                             self.features(self.smax[None]) @ self.h_ctx,
                                             np.array([self.s[:, -1].sum()], dtype=np.float32), self.devices, slowest)[0]
 
+    # ------------------------------------------------------------------ K episodes
+    def start_batch(self, view: TaskView, k: int, enc_c: torch.Tensor, enc_p: torch.Tensor,
+                    init_costs: torch.Tensor) -> None:
+        self.start(view, enc_c=enc_c, enc_p=enc_p, init_costs=init_costs)
+        self.s = np.repeat(self.s[None], k, axis=0)
+        self.smax = np.repeat(self.smax[None], k, axis=0)
+        self.cnt = np.repeat(self.cnt[None], k, axis=0)
+        self.u = np.repeat(self.u[None], k, axis=0)
+        self.device_costs = np.repeat(self.device_costs[None], k, axis=0)
+
+    def scores_batch(self) -> np.ndarray:
+        return self.device_costs.sum(axis=2)
+
+    def logits_batch(self, t: int, cand: np.ndarray, used: np.ndarray) -> np.ndarray:
+        """`logits` for K episodes: block b < K of the cost rows is episode b's devices now,
+        block K + b the same devices with the table."""
+        k, m = cand.shape
+        at = np.arange(k)[:, None], cand
+        s, cnt, table = self.s[at].reshape(k * m, -1), self.cnt[at].reshape(-1), self.enc_c[t]
+        total = self.s[:, :, -1].sum(axis=1)  # [K] each episode's payload MB
+        slowest = np.tile(np.repeat(self.device_costs[:, :, 0].max(axis=1), m), 2)
+        sums2 = np.concatenate([s, s + table])
+        total2 = np.concatenate([np.repeat(total, m), np.repeat(total + table[-1], m)]).astype(np.float32)
+        ctx = self.features(np.concatenate([self.smax, self.smax + table])) @ self.h_ctx  # [2K, 2H]
+        both = self.costs(sums2, np.concatenate([cnt, cnt + 1]), ctx, total2, self.devices, slowest,
+                          feats=self.features(sums2))
+        return self.policy_logits(self.u[at].reshape(k * m, -1) * self.scale, both[: k * m], both[k * m :],
+                                  self.enc_p[t], self.even_ms).reshape(k, m)
+
+    def took_batch(self, t: int, devs: np.ndarray) -> None:
+        at = np.arange(len(devs)), devs
+        slowest = self.device_costs[:, :, 0].max(axis=1)
+        self.s[at] += self.enc_c[t]
+        self.cnt[at] += 1
+        self.u[at] += self.enc_p[t]
+        self.smax = np.maximum(self.smax, self.s[at])
+        self.device_costs[at] = self.costs(self.s[at], self.cnt[at], self.features(self.smax) @ self.h_ctx,
+                                           self.s[:, :, -1].sum(axis=1), self.devices, slowest)
+
+    def batch_sums(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.s, self.cnt
+
 
 class NumpyAutoShard(_Episode):
     """The weights of an AutoShard network as numpy arrays, and its argmax planning episode
@@ -319,3 +435,28 @@ class NumpyAutoShard(_Episode):
         self.s[dev] += self.enc[t]
         self.cnt[dev] += 1
         self.cost[dev] = self.shard_cost(self.s[dev : dev + 1], self.cnt[dev : dev + 1])[0]
+
+    # ------------------------------------------------------------------ K episodes
+    # the K episodes' devices are rows e * D + device of flat arrays, which `logits` reads as they are
+    def start_batch(self, view: TaskView, k: int, enc: torch.Tensor, h: torch.Tensor) -> None:
+        self.start(view, enc=enc, h=h)
+        self.k, self.d = k, view.num_devices
+        self.s = np.zeros((k * self.d, self.enc.shape[1]), dtype=np.float32)
+        self.cnt = np.zeros(k * self.d, dtype=np.float32)
+        self.cost = np.zeros(k * self.d, dtype=np.float32)
+
+    def scores_batch(self) -> np.ndarray:
+        return self.cost.reshape(self.k, self.d)
+
+    def logits_batch(self, t: int, cand: np.ndarray, used: np.ndarray) -> np.ndarray:
+        self.used = used.reshape(-1)
+        return self.logits(t, cand + (np.arange(self.k) * self.d)[:, None])
+
+    def took_batch(self, t: int, devs: np.ndarray) -> None:
+        flat = np.arange(self.k) * self.d + devs
+        self.s[flat] += self.enc[t]
+        self.cnt[flat] += 1
+        self.cost[flat] = self.shard_cost(self.s[flat], self.cnt[flat])
+
+    def batch_sums(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.s.reshape(self.k, self.d, -1), self.cnt.reshape(self.k, self.d)

@@ -2,8 +2,9 @@
 
 Inference is one policy forward per table (all devices scored at once) through the shared
 rollout loop, placing through `MemoryLedger.place`, so every plan is valid. `samples=0` is
-the references' argmax; `samples=K` also samples K episodes (batched with the argmax one)
-and keeps the one the agent's cost network estimates cheapest (best-of-K). Sampling is
+the references' argmax; `samples=K` also samples K episodes (batched together, in numpy for
+the shipped networks: `numpy_episode`) and keeps the one the agent's cost network estimates
+cheapest (best-of-K). Sampling is
 skipped on tasks with more than `sample_max_work` tables x devices x samples, where its
 extra ledger look-ahead work would dominate (856 tables x 128 devices x 8 samples is 877k:
 argmax only, about 4 s here, where best-of-8 took 23-29 s).
