@@ -7,7 +7,9 @@ gives the paired ratio new / old with its bootstrap interval, and on how many ta
 identical (each record holds the plan's signature). `--tasks` plans given task files instead
 (e.g. the validation tasks of `scripts/portfolio_eval.py tasks --split validation`); `--tighten F`
 adds each task again with memory F x the least that holds it (max of the biggest table and an
-even share), where the look-ahead works hardest. Any of the portfolio's nine members.
+even share), where the look-ahead works hardest; `--sampled` plans 12 generated tasks of 150-2,000
+tables on 4-16 devices instead, where DreamShard and AutoShard add their sampled episodes. Any of
+the portfolio's nine members.
 
     git worktree add /tmp/old <commit>
     PYTHONPATH=/tmp/old/src python scripts/rl_route_check.py record old.json --member dreamshard
@@ -40,16 +42,32 @@ from embshard.stats import paired_ratio_summary
 TASKS = 16
 
 
+SAMPLED_TASKS = 12
+
+
 def task(i: int) -> Task:
     rng = np.random.default_rng(1000 + i)
     n = int(rng.choice([200, 400, 800, 1200, 2000]))
     d = int(rng.choice([160, 256, 512, 1024]))
+    return _generated(rng, f"q{i}", n, d)
+
+
+def sampled_task(i: int) -> Task:
+    """A task of 150-2,000 tables on 4-16 devices, under DreamShard's and AutoShard's
+    `sample_max_work` (tables x devices x 8 <= 200,000), where they add 8 sampled episodes."""
+    rng = np.random.default_rng(500 + i)
+    d = int(rng.choice([4, 8, 12, 16]))
+    n = int(rng.integers(150, min(2000, 25000 // d)))
+    return _generated(rng, f"mid{i}", n, d)
+
+
+def _generated(rng: np.random.Generator, name: str, n: int, d: int) -> Task:
     batch = int(rng.choice([2048, 8192, 16384, 65536]))
     tables = tuple(Table(f"t{j}", int(min(5e7, 1000 * rng.pareto(1.2) * 50 + 100)), int(rng.choice([4, 8, 16, 32, 64, 128, 256])),
                          float(rng.lognormal(1.5, 1.0))) for j in range(n))
     probe = Task("p", d, 1, batch, tables)
     need = [probe.table_memory_bytes(t) for t in tables]
-    return Task(f"q{i}-{n}x{d}", d, int(max(1.6 * sum(need) / d, 1.1 * max(need))), batch, tables)
+    return Task(f"{name}-{n}x{d}", d, int(max(1.6 * sum(need) / d, 1.1 * max(need))), batch, tables)
 
 
 def tightened(t: Task, factor: float) -> Task:
@@ -59,14 +77,17 @@ def tightened(t: Task, factor: float) -> Task:
     return dataclasses.replace(t, name=f"{t.name}-tight{factor}", device_memory_bytes=int(least * factor))
 
 
-def record(out: str, member: str, files: list[str], tighten: list[float]) -> None:
+def record(out: str, member: str, files: list[str], tighten: list[float], sampled: bool = False) -> None:
     torch.set_num_threads(1)
     s = default_members()[member]
     if hasattr(s, "load"):
         s.load()
     ranker, _ = PortfolioSharder().ranking_model()
     rec = {}
-    tasks = [Task.load(f) for f in files] if files else [task(i) for i in range(TASKS)]
+    if files:
+        tasks = [Task.load(f) for f in files]
+    else:
+        tasks = [sampled_task(i) for i in range(SAMPLED_TASKS)] if sampled else [task(i) for i in range(TASKS)]
     for t in tasks + [tightened(t, f) for f in tighten for t in tasks]:
         c0 = time.process_time()
         plan = s.shard(t)
@@ -99,6 +120,9 @@ def main() -> None:
     r.add_argument("out")
     r.add_argument("--member", default="dreamshard", choices=list(LEARNED) + list(heuristic_sharders()))
     r.add_argument("--tasks", nargs="*", default=[], help="task files (default: the 16 generated tasks)")
+    r.add_argument("--sampled", action="store_true",
+                   help="the 12 generated tasks of 150-2,000 tables on 4-16 devices instead, where DreamShard "
+                        "and AutoShard sample")
     r.add_argument("--tighten", nargs="*", type=float, default=[],
                    help="also each task with memory this many times the least that holds it")
     c = sub.add_parser("compare")
@@ -107,7 +131,7 @@ def main() -> None:
     c.add_argument("--key", default="analytic_ms", choices=["analytic_ms", "ranker_ms", "cpu_seconds"])
     args = ap.parse_args()
     if args.cmd == "record":
-        record(args.out, args.member, args.tasks, args.tighten)
+        record(args.out, args.member, args.tasks, args.tighten, args.sampled)
     else:
         compare(args.old, args.new, args.key)
 
