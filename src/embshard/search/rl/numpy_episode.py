@@ -227,8 +227,8 @@ class _Episode:
 
 
 class NumpyDreamShard(_Episode):
-    """The weights of a DreamShard cost network and policy as numpy arrays, and its argmax
-    planning episode over them (see module doc)."""
+    """The weights of a DreamShard cost network and policy as numpy arrays, and its planning
+    episodes over them, argmax and sampled (see module doc)."""
 
     def __init__(self, costnet: DreamShardCostNet, policy: DreamShardPolicy):
         if not supported(costnet, policy):
@@ -272,8 +272,8 @@ class NumpyDreamShard(_Episode):
         devices' sums [R, E] and counts [R], the context's part of the comm heads' first layer
         `ctx_part` [B, 2H] for B equal blocks of the rows (the features of the max over the task's
         devices, through that layer's columns for them), the task's payload MB `total` [R] and
-        slowest compute (ms); `feats`, `compute`: the devices' features and compute log where
-        already known."""
+        slowest compute (ms; one for every row, or one per row [R]); `feats`, `compute`: the
+        devices' features and compute log where already known."""
         feats = self.features(sums) if feats is None else feats
         compute = self.compute_log(sums, counts, feats) if compute is None else compute
         volume, extra = self.payload(sums[:, -1], total, devices)
@@ -388,8 +388,9 @@ class NumpyDreamShard(_Episode):
 
 
 class NumpyAutoShard(_Episode):
-    """The weights of an AutoShard network as numpy arrays, and its argmax planning episode
-    over them: the LSTM's states come in per table (`AutoShardAgent.prepare` computes them)."""
+    """The weights of an AutoShard network as numpy arrays, and its planning episodes over them,
+    argmax and sampled: the LSTM's states come in per table (`AutoShardAgent.prepare` computes
+    them)."""
 
     def __init__(self, net: AutoShardNet):
         if not autoshard_supported(net):
