@@ -191,3 +191,26 @@ def test_a_steps_cheapest_devices_are_those_of_the_full_stable_sort():
         full = np.argsort(score, kind="stable")
         assert _cheapest_first(score, m).tolist() == full[:m].tolist()
         assert list(_the_rest(score, m)) == full[m:].tolist()
+
+
+@pytest.mark.parametrize("algorithm", ["dreamshard", "autoshard"])
+def test_a_task_without_room_names_the_table_the_torch_rollout_names(algorithm):
+    """Memory for exactly the biggest table or an even share: the episodes run out of room at
+    different steps, and the error is the torch rollout's (its first failure in step order,
+    the argmax episode first at a step), whichever episode the numpy route ran first."""
+    import dataclasses
+
+    from embshard.errors import InfeasibleError
+
+    agent = SHARDERS[algorithm](f"checkpoints/{algorithm}_cpu/policy.pt").load()
+    task = make_task(40, 4, seed=3)
+    need = [task.table_memory_bytes(t) for t in task.tables]
+    task = dataclasses.replace(task, device_memory_bytes=int(max(max(need), sum(need) / task.num_devices)))
+    with torch.inference_mode():
+        view = agent.prepare(task)
+        with pytest.raises(InfeasibleError) as want:
+            rollout(agent, view, 9, train=False, sample=True, argmax_first=True,
+                    generator=torch.Generator().manual_seed(0), max_candidates=128)
+        with pytest.raises(InfeasibleError) as got:
+            agent.planning_episodes(view, 8, torch.Generator().manual_seed(0), 128)
+    assert str(got.value) == str(want.value)

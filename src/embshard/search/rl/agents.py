@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as Fn
 
+from embshard.errors import InfeasibleError
 from embshard.plan import Plan
 from embshard.search.rl import numpy_episode
 from embshard.search.rl.env import Rollouts, TaskView
@@ -72,7 +73,12 @@ def _with_sampled(fast: Any, view: TaskView, samples: int, generator: torch.Gene
                   max_candidates: int | None, inputs: dict[str, torch.Tensor]) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
     """The numpy argmax episode and `samples` sampled ones after it (`numpy_episode`): devices
     [1 + K, N], the devices' sums [1 + K, D, E] and counts [1 + K, D]."""
-    devices, sums, counts = fast.episode(view, max_candidates, **inputs)
+    try:
+        devices, sums, counts = fast.episode(view, max_candidates, **inputs)
+    except InfeasibleError:
+        if samples > 0:  # a sampled episode that ran out of room at an earlier step is the one raised
+            fast.sampled(view, samples, generator, max_candidates, until=fast.step, **inputs)
+        raise
     devices, sums, counts = devices[None], sums[None].copy(), counts[None].copy()
     if samples > 0:
         more, s, c = fast.sampled(view, samples, generator, max_candidates, **inputs)

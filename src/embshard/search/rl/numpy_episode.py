@@ -141,16 +141,20 @@ class _Episode:
         raise NotImplementedError
 
     def sampled(self, view: TaskView, k: int, generator: torch.Generator | None, max_candidates: int | None,
-                **inputs: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                until: int | None = None, **inputs: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """K sampled episodes (module doc): (the device of each table [K, N] in placement order,
         the devices' encoding sums [K, D, E] and table counts [K, D] at their end). The noise is
-        that of episodes 1..K of the torch rollout of 1 + K episodes (episode 0 the argmax)."""
+        that of episodes 1..K of the torch rollout of 1 + K episodes (episode 0 the argmax).
+        `until`: stop before that step (the step where the argmax episode found no room: the
+        torch rollout raises the first failure in step order, so only an earlier one of these
+        episodes would be raised instead)."""
         with threadpool_limits(1, user_api="blas"):
-            return self._run_sampled(view, k, generator, max_candidates, inputs)
+            return self._run_sampled(view, k, generator, max_candidates, inputs, until)
 
     def _run_sampled(self, view: TaskView, k: int, generator: torch.Generator | None, max_candidates: int | None,
-                     inputs: dict[str, torch.Tensor]):
-        task, n, d = view.task, view.num_tables, view.num_devices
+                     inputs: dict[str, torch.Tensor], until: int | None = None):
+        task, d = view.task, view.num_devices
+        n = view.num_tables if until is None else until
         check_fits_anywhere(task)
         lazy = max_candidates is not None and d > int(max_candidates)  # as `env.rollout` decides
         m = int(max_candidates) if lazy else d
@@ -195,6 +199,7 @@ class _Episode:
 
     def _run(self, view: TaskView, max_candidates: int | None, inputs: dict[str, torch.Tensor]):
         task, n, d = view.task, view.num_tables, view.num_devices
+        self.step = 0  # the step where an InfeasibleError was raised (0: before any, as here)
         check_fits_anywhere(task)
         m = d if max_candidates is None else min(d, int(max_candidates))
         self.start(view, **inputs)
@@ -205,6 +210,7 @@ class _Episode:
         tables = view.tables
         out = np.empty(n, dtype=np.int64)
         for t in range(n):
+            self.step = t
             need = view.needs[t]
             score = self.scores().astype(np.float64)
             score[free < need] = np.inf
