@@ -125,7 +125,7 @@ def test_numpy_episode_places_every_table_where_the_torch_episode_does(algorithm
     with torch.inference_mode():
         view = agent.prepare(task)
         torch_devices = rollout(agent, view, 1, train=False, sample=False, max_candidates=m).devices[0]
-        fast = agent.argmax_episode(view, m)
+        fast = agent.planning_episodes(view, 0, None, m)
     # the same tables together; which of the identical empty devices takes a group is a tie the
     # kernels' rounding may break either way (torch's too, for rows of one call)
     assert groups(fast.devices[0]) == groups(torch_devices)

@@ -90,15 +90,11 @@ def _with_sampled(fast: Any, view: TaskView, samples: int, generator: torch.Gene
 class _Estimating:
     """Estimate a given plan by replaying it as an episode."""
 
-    def argmax_episode(self, view: TaskView, max_candidates: int | None) -> Rollouts | None:
-        """The argmax planning episode by a faster route than `env.rollout`, or None where the
-        agent has none (then `env.rollout` plans)."""
-        return self.planning_episodes(view, 0, None, max_candidates)
-
     def planning_episodes(self, view: TaskView, samples: int, generator: torch.Generator | None,
                           max_candidates: int | None) -> Rollouts | None:
         """The argmax planning episode and `samples` sampled ones (episode 0 the argmax) by a
-        faster route than `env.rollout`, or None where the agent has none."""
+        faster route than `env.rollout`, or None where the agent has none (then `env.rollout`
+        plans)."""
         return None
 
     def estimate_plan(self, task: Task, plan: Plan) -> float:

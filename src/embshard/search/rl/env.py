@@ -98,10 +98,6 @@ class Agent(Protocol):
     def advance(self, view: TaskView, state: dict[str, torch.Tensor], t: int, devices: torch.Tensor,
                 placed: torch.Tensor) -> None: ...
 
-    def argmax_episode(self, view: TaskView, max_candidates: int | None) -> "Rollouts | None":
-        """The argmax planning episode by a faster route than `rollout`, or None (no such route)."""
-        ...
-
     def planning_episodes(self, view: TaskView, samples: int, generator: torch.Generator | None,
                           max_candidates: int | None) -> "Rollouts | None":
         """`rollout`'s planning episodes (the argmax one, then `samples` sampled ones, the same
