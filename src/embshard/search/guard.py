@@ -19,6 +19,10 @@ candidates within `margin` of the round-1 best (`search_contenders` in all) stay
 rounds too, and after each round S is the one with the lowest mean over the rounds, as H is among
 the heuristics (one round cannot tell a planner's plans a few percent apart either).
 
+With `refine` (and a refiner from the owner, `embshard.search.refine`), round 1 only selects:
+the refiner proposes a plan from every plan it measured, which joins the search contenders as
+"refined", and the verdict is taken on the paired rounds after round 1.
+
 The interval (`interval`): "bootstrap" (the default, the one every measured evaluation so far
 ran with) or "t" (Student's t). Over 3 rounds a percentile bootstrap is about the rounds'
 range: two plans of equal cost pass for "better" whenever all 3 ratios fall below 1, 1 time
@@ -48,6 +52,13 @@ log = logging.getLogger(__name__)
 #: every heuristic an evaluation's "best heuristic" is taken from (conf/search names)
 DEFAULT_HEURISTICS: tuple[str, ...] = ("size_lookup_greedy", "lookup_greedy", "dim_greedy", "size_greedy",
                                        "round_robin", "random")
+
+
+class Refinement(Protocol):
+    """Proposes a plan from the plans round 1 measured (`embshard.search.refine.MeasuredRefinement`)."""
+
+    def propose(self, task: Task, plans: Sequence[Plan], costs: Sequence[DeviceCosts],
+                labels: Sequence[str]) -> tuple[Plan | None, dict[str, Any]]: ...
 
 
 class PlanMeasurer(Protocol):
@@ -128,6 +139,8 @@ class GuardResult:
     rounds: list[dict[str, float]] = field(default_factory=list)
     #: heuristics that were not candidates, and why (their plan was invalid for the task)
     skipped: dict[str, str] = field(default_factory=dict)
+    #: the measured refinement after round 1 (`embshard.search.refine`), where it ran
+    refinement: dict[str, Any] | None = None
     changed: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -136,7 +149,7 @@ class GuardResult:
     def to_dict(self) -> dict[str, Any]:
         return {"candidates": self.candidates, "chosen": self.chosen, "search_pick": self.search_pick,
                 "changed": self.changed, "measure_seconds": self.measure_seconds, "decision": self.decision,
-                "rounds": self.rounds, "skipped": self.skipped}
+                "rounds": self.rounds, "skipped": self.skipped, "refinement": self.refinement}
 
 
 @dataclass
@@ -158,6 +171,7 @@ class MeasuredGuard:
         search_contenders: the candidates that stay in the paired rounds: the round-1 best and
             the next within `margin` of it (1: the round-1 best alone); S is the one with the
             lowest mean over the rounds.
+        refine: the owner passes `run` a refiner (`embshard.search.refine.MeasuredRefinement`).
     """
 
     heuristics: Sequence[str] = DEFAULT_HEURISTICS
@@ -170,6 +184,7 @@ class MeasuredGuard:
     owner: str = "guard"
     interval: str = "bootstrap"
     search_contenders: int = 1
+    refine: bool = False
 
     def __post_init__(self) -> None:
         self.heuristics = tuple(self.heuristics)
@@ -190,6 +205,8 @@ class MeasuredGuard:
         if isinstance(self.search_contenders, bool) or int(self.search_contenders) < 1:
             raise InputError(f"{self.owner}: verify_search_contenders must be >= 1, got {self.search_contenders!r}")
         self.search_contenders = int(self.search_contenders)
+        if not isinstance(self.refine, bool):
+            raise InputError(f"{self.owner}: verify_refine must be true or false, got {self.refine!r}")
         if self.interval not in INTERVAL_METHODS:
             raise InputError(f"{self.owner}: verify_interval must be one of {list(INTERVAL_METHODS)}, got "
                              f"{self.interval!r}")
@@ -201,9 +218,15 @@ class MeasuredGuard:
         self.max_rounds = int(self.max_rounds)
 
     def run(self, task: Task, candidates: Sequence[tuple[str, Plan]], evaluator: PlanMeasurer,
-            predicted_ms: Callable[[Plan], float | None], name: str) -> tuple[Plan, GuardResult]:
+            predicted_ms: Callable[[Plan], float | None], name: str,
+            refiner: Refinement | None = None) -> tuple[Plan, GuardResult]:
         """Measure `candidates` (label, plan; the planner's own order, its pick first) and the
-        heuristics' plans; returns the plan kept (named `name`) and what was done."""
+        heuristics' plans; returns the plan kept (named `name`) and what was done.
+
+        With a `refiner` (`embshard.search.refine.MeasuredRefinement`; the owner builds it where
+        `refine` is on), round 1 only selects: the refiner proposes a plan from every plan
+        round 1 measured, which joins the search contenders as "refined", and the paired rounds
+        the verdict is taken on begin after round 1 (every contender measured in each)."""
         labelled: list[tuple[str, str, Plan]] = [(label, "search", p) for label, p in candidates]
         skipped: dict[str, str] = {}
         for h in self.heuristics:
@@ -231,6 +254,18 @@ class MeasuredGuard:
                          "spread_ms": c.plan_cost_spread_ms})
         search_ids = [i for i, (_, src, _) in enumerate(labelled) if src == "search"]
         heur_ids = [i for i, (_, src, _) in enumerate(labelled) if src == "heuristic"]
+        refinement: dict[str, Any] | None = None
+        refined: int | None = None  # the refined plan's index in labelled
+        if refiner is not None and heur_ids:
+            proposal, refinement = refiner.propose(task, [labelled[i][2] for i in first],
+                                                   [measured[i] for i in first], [labelled[i][0] for i in first])
+            if proposal is not None and all(proposal.signature() != p.signature() for _, _, p in labelled):
+                labelled.append(("refined", "search", proposal))
+                refined = len(labelled) - 1
+                rows.append({"label": "refined", "source": "search", "same_as": "refined",
+                             "predicted_ms": predicted_ms(proposal), "measured_ms": None, "spread_ms": None})
+            refinement["proposed"] = refined is not None
+        paired_from = 0 if refined is None else 1  # the rounds the verdict is taken on
 
         def within_margin(ids: Sequence[int], count: int, taken: Sequence[int] = ()) -> list[int]:
             """Up to `count` distinct plans of `ids` (none the plan of one in `taken`) within the
@@ -246,13 +281,17 @@ class MeasuredGuard:
 
         s = min(search_ids, key=lambda i: (rows[i]["measured_ms"], i))
         searchers = within_margin(search_ids, self.search_contenders)  # the search candidates that stay
-        rounds = [{labelled[i][0]: rows[i]["measured_ms"] for i in range(len(labelled))}]
+        rounds = [{labelled[i][0]: rows[i]["measured_ms"] for i in range(len(labelled)) if i != refined}]
         decision: dict[str, Any]
         if not heur_ids:
             best, decision = s, {"verdict": "no heuristic plan", "kept": labelled[s][0]}
         else:
             h = min(heur_ids, key=lambda i: (rows[i]["measured_ms"], i))
-            if labelled[s][2].signature() == labelled[h][2].signature():
+            if refined is not None:  # the refined plan stays; a search plan the same as H's does not
+                searchers = [i for i in searchers if labelled[i][2].signature() != labelled[h][2].signature()]
+                searchers.append(refined)
+                s = searchers[0]
+            if refined is None and labelled[s][2].signature() == labelled[h][2].signature():
                 best, decision = s, {"verdict": "same plan", "kept": labelled[s][0], "heuristic": labelled[h][0]}
             else:
                 # the heuristics that stay (none the plan of a search candidate that stays)
@@ -262,16 +301,17 @@ class MeasuredGuard:
                 by_index = [label[i] for i in sorted(stay)]  # ties between contenders: the first listed
 
                 def search_best() -> int:  # S: the search contender with the lowest mean over the rounds
-                    return min(searchers, key=lambda i: (float(np.mean([r[labelled[i][0]] for r in rounds])), i))
+                    return min(searchers, key=lambda i: (float(np.mean([r[labelled[i][0]] for r in rounds[paired_from:]])), i))
 
-                outcome = decide(rounds, labelled[s][0], by_index, self.min_rounds, self.interval)  # round 1 alone
-                while len(rounds) < self.max_rounds and (len(rounds) < self.min_rounds
-                                                         or time.perf_counter() < deadline):
+                if refined is None:
+                    outcome = decide(rounds, labelled[s][0], by_index, self.min_rounds, self.interval)  # round 1 alone
+                while len(rounds) - paired_from < self.max_rounds and (len(rounds) - paired_from < self.min_rounds
+                                                                       or time.perf_counter() < deadline):
                     measured_now = (*searchers, *stay)
                     costs = evaluator.measure_many(task, [labelled[i][2] for i in measured_now], visits=self.visits)
                     rounds.append({labelled[i][0]: c.plan_cost_ms for i, c in zip(measured_now, costs)})
                     s = search_best()
-                    outcome = decide(rounds, labelled[s][0], by_index, self.min_rounds, self.interval)
+                    outcome = decide(rounds[paired_from:], labelled[s][0], by_index, self.min_rounds, self.interval)
                     if outcome[0] != "not resolved":
                         break
                 verdict, h_label, summary = outcome
@@ -280,8 +320,9 @@ class MeasuredGuard:
                 decision = {"verdict": verdict, "kept": labelled[best][0], "search": labelled[s][0],
                             "heuristic": labelled[h][0], "contenders": [labelled[i][0] for i in stay],
                             "search_contenders": [labelled[i][0] for i in searchers],
-                            "ratio": summary.to_dict(), "interval": self.interval, "rounds": len(rounds),
+                            "ratio": summary.to_dict(), "interval": self.interval, "rounds": len(rounds) - paired_from,
                             "budget_s": self.budget_s}
         seconds = time.perf_counter() - t0
-        result = GuardResult(rows, labelled[best][0], labelled[0][0], round(seconds, 3), decision, rounds, skipped)
+        result = GuardResult(rows, labelled[best][0], labelled[0][0], round(seconds, 3), decision, rounds, skipped,
+                             refinement)
         return Plan(task.name, name, list(labelled[best][2].shards)), result

@@ -73,6 +73,7 @@ from embshard.search.greedy import (DEFAULT_CAPS, GRID_MAX_WORK, INCREMENTAL_MIN
 from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_sharders
 from embshard.search.pieces import (FREE, PieceBook, PieceSpec, halvable, halve, initial_state, row_split,
                                     row_splittable, slices_below)
+from embshard.search.refine import MeasuredRefinement
 from embshard.search.simulator import Simulator, scale_costs
 from embshard.tables import Table
 from embshard.task import Task
@@ -430,6 +431,9 @@ class NeuroShardSharder(GuardSlot):
         verify_search_contenders: the search's plans that stay in the guard's paired rounds
             (the round-1 best and the next within verify_margin), S the lowest mean over the
             rounds; 1: the round-1 best alone (`MeasuredGuard.search_contenders`).
+        verify_refine: after the guard's first round, correct the search's compute model per
+            table on the measured shards and refine the best measured plan against it
+            (`embshard.search.refine`); the refined plan joins the paired rounds.
         max_candidates: per placement, re-predict at most this many allowed devices (those
             whose shard is predicted cheapest now); None: all (`GreedyPartitioner`).
         grid_max_work: thin the caps on tasks over this many pieces × devices × caps (None: never).
@@ -470,6 +474,7 @@ class NeuroShardSharder(GuardSlot):
         verify_margin: float = 0.1,
         verify_interval: str = "bootstrap",
         verify_search_contenders: int = 1,
+        verify_refine: bool = False,
         max_candidates: int | None = MAX_CANDIDATE_DEVICES,
         grid_max_work: int | None = GRID_MAX_WORK,
         trace_histograms: str = "replay",
@@ -500,7 +505,7 @@ class NeuroShardSharder(GuardSlot):
         self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
                                    verify_max_rounds, verify_contenders, verify_margin,
                                    owner="neuroshard", interval=verify_interval,
-                                   search_contenders=verify_search_contenders)
+                                   search_contenders=verify_search_contenders, refine=verify_refine)
         self.checkpoint = None if checkpoint in (None, "") else str(checkpoint)
         self.beam_width = int(beam_width)
         self.beam_steps = int(beam_steps)
@@ -625,5 +630,12 @@ class NeuroShardSharder(GuardSlot):
         `<name>#1`, `<name>#2`, … in the search's order."""
         plan, self.last_guard = self.guard.run(
             task, [(f"{self.name}#{i + 1}", p) for i, (p, _) in enumerate(found)], self.evaluator,
-            lambda p: self.predicted_costs(task, p).plan_cost_ms, self.name)
+            lambda p: self.predicted_costs(task, p).plan_cost_ms, self.name,
+            refiner=self.refinement_for(task) if self.guard.refine else None)
         return plan
+
+    def refinement_for(self, task: Task) -> MeasuredRefinement:
+        """The guard's refiner on `task`: the models searched against, on the planning view."""
+        sim = self.simulator_for(task)
+        view, _ = planning_view(task, self.trace_histograms == "replay")
+        return MeasuredRefinement(view, sim, batch_ratio(sim.predictor, task))

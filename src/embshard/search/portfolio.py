@@ -34,13 +34,15 @@ from typing import Any, Mapping, Sequence
 
 from embshard.compare import refusal
 from embshard.costs.base import CostModel
-from embshard.costs.features import adopt_imputed, imputed_histograms, pending_imputations
-from embshard.costs.predictor import DEFAULT_CHECKPOINT, load_models
+from embshard.costs.features import adopt_imputed, imputed_histograms, pending_imputations, planning_view
+from embshard.costs.predictor import DEFAULT_CHECKPOINT, AnalyticFamily, load_models
 from embshard.errors import EmbshardError, InfeasibleError, InputError
 from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities, Sharder
 from embshard.search.constrained import shard_constrained
 from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_sharders
+from embshard.search.refine import MeasuredRefinement
+from embshard.search.simulator import Simulator, batch_ratio
 from embshard.task import Task
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,9 @@ class PortfolioSharder(GuardSlot):
         verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
             verify_max_rounds, verify_contenders, verify_margin, verify_interval,
             verify_search_contenders: the guard's settings (`MeasuredGuard`).
+        verify_refine: after the guard's first round, correct the ranker's compute model on
+            the measured shards and refine the best measured plan against it
+            (`embshard.search.refine`); the refined plan joins the paired rounds.
         workers: how many members plan at once, each in a forked worker process (Linux; one
             thread each); 1: one after another in this process; "auto": the machine's cores
             (at most one per member) on tasks of at least PARALLEL_FROM_TABLES tables or
@@ -119,6 +124,7 @@ class PortfolioSharder(GuardSlot):
         verify_margin: float = 0.1,
         verify_interval: str = "bootstrap",
         verify_search_contenders: int = 1,
+        verify_refine: bool = False,
         workers: int | str = "auto",
         name: str = "portfolio",
     ):
@@ -137,7 +143,7 @@ class PortfolioSharder(GuardSlot):
         self.guard = MeasuredGuard(verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
                                    verify_max_rounds, verify_contenders, verify_margin,
                                    owner=name, interval=verify_interval,
-                                   search_contenders=verify_search_contenders)
+                                   search_contenders=verify_search_contenders, refine=verify_refine)
         self.name = name
         self.evaluator: Any = None
         self._ranker: tuple[CostModel, dict[str, Any]] | None = None
@@ -161,6 +167,13 @@ class PortfolioSharder(GuardSlot):
                 models = load_models(self.ranker, self.name)
                 self._ranker = (models.neural, models.info)
         return self._ranker
+
+    def refinement_for(self, task: Task) -> MeasuredRefinement:
+        """The guard's refiner on `task`: the ranker's models (the analytic one for ranker=None)."""
+        family = AnalyticFamily() if self.ranker is None else self.ranking_model()[0]  # the neural bundle is one
+        simulator = Simulator(family.at_batch(int(task.batch_size)))
+        view, _ = planning_view(task)
+        return MeasuredRefinement(view, simulator, batch_ratio(simulator.predictor, task))
 
     def worker_count(self, task: Task) -> int:
         """How many members plan at once on `task` (`workers`)."""
@@ -272,7 +285,8 @@ class PortfolioSharder(GuardSlot):
             candidates = [(m, p) for m, p, _ in ranked if m not in own][:k]
             chosen, self.last_guard = self.guard.run(
                 task, candidates, self.evaluator,
-                lambda p: ranker.device_costs(task, p).plan_cost_ms, self.name)
+                lambda p: ranker.device_costs(task, p).plan_cost_ms, self.name,
+                refiner=self.refinement_for(task) if self.guard.refine else None)
             won = self.last_guard.chosen
             interval = self.last_guard.decision.get("ratio")
             if won in by_label:
