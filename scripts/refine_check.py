@@ -128,7 +128,7 @@ def loo(args: argparse.Namespace) -> None:
                 for d, pieces in enumerate(per):
                     alone = sim.compute_of([[p] for p in pieces])
                     w = alone / alone.sum()
-                    est.append(pred[d] * max(0.1 * c.bias, c.bias + sum(x * c.factor(p.name) for x, p in zip(w, pieces))))
+                    est.append(pred[d] * c.scale(w, [p.name for p in pieces]))
                 est = np.asarray(est)
                 errs[r].extend(np.abs(est / m - 1).tolist())
                 slowest[r].append(abs(est.max() / m.max() - 1))

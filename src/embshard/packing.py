@@ -4,7 +4,8 @@ placed packable, in O(1) per placement while a carried proof stays valid.
 `LookAhead` carries a proof: an assignment of every pending piece to a device that fits in
 the devices' free memory (first-fit decreasing, or worst-fit decreasing: each piece on the
 device with the most room left, which spreads the pending pieces and leaves slack on every
-device; where worst fit finds no packing, first fit is tried, as it can find one worst fit misses). Placing a piece on a device whose slack under that assignment has room keeps the
+device; where worst fit finds no packing, first fit is tried, as it can find one worst fit
+misses). Placing a piece on a device whose slack under that assignment has room keeps the
 proof valid in O(1); otherwise the pending pieces are repacked from scratch (under the ledger's
 rule the proof is first mended: the pieces it holds on that device moved to others).
 

@@ -61,6 +61,12 @@ class Correction:
     def factor(self, table: str) -> float:
         return self.factors.get(table, 0.0)
 
+    def scale(self, shares: Sequence[float], tables: Sequence[str]) -> float:
+        """What a shard's prediction is multiplied by: `bias` + the sum of its tables' terms
+        weighted by their `shares` of its predicted cost alone; at least a tenth of `bias` (a
+        table the fit drives negative still costs something)."""
+        return max(0.1 * self.bias, self.bias + sum(w * self.factor(t) for w, t in zip(shares, tables)))
+
     def to_dict(self) -> dict[str, Any]:
         return {"bias": round(self.bias, 4), "shards": self.shards, "rms_before": round(self.rms_before, 4),
                 "rms_after": round(self.rms_after, 4),
@@ -145,7 +151,6 @@ class Refiner:
         movable = [s.rows == real[s.table].rows for s in shards]
         mem = [task.shard_memory_bytes(real[s.table], s.rows, s.dim) for s in shards]
         alone = sim.compute_of([[p] for p in pieces])
-        fac = np.array([self.correction.factor(s.table) for s in shards])
         dims = np.array([s.dim for s in shards])
         device = np.array([s.device for s in shards])
         budget = task.device_memory_bytes
@@ -158,9 +163,7 @@ class Refiner:
                 if s:
                     a = alone[list(s)]
                     w = a / a.sum() if a.sum() > 0 else np.full(len(s), 1.0 / len(s))
-                    # at least a tenth of the machine's speed: a table the fit drives negative
-                    # still costs something
-                    out[k] = pred[k] * max(0.1 * self.correction.bias, self.correction.bias + float(w @ fac[list(s)]))
+                    out[k] = pred[k] * self.correction.scale(w, [shards[i].table for i in s])
             return out
 
         orig_sets = [tuple(np.flatnonzero(device == d).tolist()) for d in range(d_count)]
@@ -195,7 +198,7 @@ class Refiner:
         tried_invalid: set[tuple] = set()
         for _ in range(self.max_moves):
             b = int(np.argmax(compute))
-            cands: list[tuple[tuple[int, ...], tuple[int, ...], int, int | None]] = []
+            cands: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []  # (b's set, e's set, e)
             for i in sets[b]:
                 if not movable[i]:
                     continue
@@ -203,7 +206,7 @@ class Refiner:
                     if e == b:
                         continue
                     if names_on[e][shards[i].table] == 0 and used[e] + mem[i] <= budget:
-                        cands.append((tuple(j for j in sets[b] if j != i), tuple(sets[e]) + (i,), e, None))
+                        cands.append((tuple(j for j in sets[b] if j != i), tuple(sets[e]) + (i,), e))
                     for j in sets[e]:
                         if not movable[j] or shards[j].table == shards[i].table:
                             continue
@@ -212,8 +215,7 @@ class Refiner:
                         if used[e] - mem[j] + mem[i] > budget or used[b] - mem[i] + mem[j] > budget:
                             continue
                         cands.append((tuple(k for k in sets[b] if k != i) + (j,),
-                                      tuple(k for k in sets[e] if k != j) + (i,), e, j))
-                    # (the moved piece i is found again from the sets below)
+                                      tuple(k for k in sets[e] if k != j) + (i,), e))
             cands = [c for c in cands if (c[0], c[1]) not in tried_invalid]
             if not cands:
                 break
