@@ -101,7 +101,7 @@ def loo(args: argparse.Namespace) -> None:
     from embshard.costs.features import planning_view
     from embshard.plan import Plan, device_pieces
     from embshard.search.neuroshard import NeuroShardSharder
-    from embshard.search.refine import fit_correction
+    from embshard.search.refine import fit_correction, shares
     from embshard.search.simulator import batch_ratio
 
     ns = NeuroShardSharder(verify=0)
@@ -126,9 +126,7 @@ def loo(args: argparse.Namespace) -> None:
                 c = fit_correction(view, sim, ratio, [plans[i] for i in rest], [costs[i] for i in rest], ridge=r)
                 est = []
                 for d, pieces in enumerate(per):
-                    alone = sim.compute_of([[p] for p in pieces])
-                    w = alone / alone.sum()
-                    est.append(pred[d] * c.scale(w, [p.name for p in pieces]))
+                    est.append(pred[d] * c.scale(shares(sim.compute_of([[p] for p in pieces])), [p.name for p in pieces]))
                 est = np.asarray(est)
                 errs[r].extend(np.abs(est / m - 1).tolist())
                 slowest[r].append(abs(est.max() / m.max() - 1))

@@ -492,8 +492,4 @@ class LookAhead:
             self.assign, self.slack = mended
             return
         self.repacks += 1
-        f = np.array(free_after, dtype=np.int64)
-        got = self._pack(f, self.fit) or (self._pack(f, "first") if self.fit != "first" else None)
-        self.valid = got is not None
-        if got is not None:
-            self.assign, self.slack = got
+        self.valid = self._repack(np.array(free_after, dtype=np.int64))

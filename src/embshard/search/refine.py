@@ -74,6 +74,13 @@ class Correction:
                                        key=lambda kv: -abs(kv[1]))[:5])}
 
 
+def shares(alone: np.ndarray) -> np.ndarray:
+    """Each table's share of a shard: its predicted cost alone over the shard's tables' sum
+    (equal shares where the model prices them all at 0)."""
+    total = float(alone.sum())
+    return alone / total if total > 0 else np.full(len(alone), 1.0 / len(alone))
+
+
 def fit_correction(view: Task, simulator: Simulator, ratio: float, plans: Sequence[Plan],
                    costs: Sequence[DeviceCosts], ridge: float = RIDGE) -> Correction | None:
     """The correction the measured `costs` of `plans` give (`view`: the task as the model sees
@@ -94,9 +101,8 @@ def fit_correction(view: Task, simulator: Simulator, ratio: float, plans: Sequen
             seen.add(key)  # the same shard in two plans: one equation (its measurements agree)
             w = np.zeros(len(names) + 1)
             w[-1] = 1.0
-            total = float(alone[d].sum())
-            for p, a in zip(pieces, alone[d]):
-                w[col[p.name]] += a / total if total > 0 else 1.0 / len(pieces)
+            for p, share in zip(pieces, shares(alone[d])):
+                w[col[p.name]] += share
             rows.append(w)
             ys.append(float(c.compute_ms[d] / pred[d]))
     if not rows:
@@ -161,9 +167,7 @@ class Refiner:
             out = np.zeros(len(sets))
             for k, s in enumerate(sets):
                 if s:
-                    a = alone[list(s)]
-                    w = a / a.sum() if a.sum() > 0 else np.full(len(s), 1.0 / len(s))
-                    out[k] = pred[k] * self.correction.scale(w, [shards[i].table for i in s])
+                    out[k] = pred[k] * self.correction.scale(shares(alone[list(s)]), [shards[i].table for i in s])
             return out
 
         orig_sets = [tuple(np.flatnonzero(device == d).tolist()) for d in range(d_count)]
