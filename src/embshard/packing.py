@@ -308,7 +308,7 @@ class LookAhead:
         first fit (worst fit spreads the pieces, and under tight memory it can leave no device
         room for a large piece first fit finds room for); adopt the packing found."""
         got = self._pack(free, self.fit)
-        if got is None and self.fit == "worst":
+        if got is None and self.fit == "worst" and not self.unpackable(free):  # (then first fit fails too)
             got = self._pack(free, "first")
         if got is None:
             return False
