@@ -21,7 +21,7 @@ from embshard.packing import LookAhead
 from embshard.plan import MemoryLedger, Plan, Shard
 from embshard.search.greedy import GreedyPartitioner, cheapest
 from embshard.search.neuroshard import NeuroShardSharder
-from embshard.search.pieces import PieceBook, initial_state
+from embshard.search.pieces import PieceBook, initial_state, row_split
 from embshard.search.rl.env import best_plan
 from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
 from embshard.search.simulator import Simulator
@@ -184,6 +184,75 @@ def test_runs_under_larger_caps_picked_up_from_a_fork_are_the_runs_from_scratch(
         assert a[0] == b[0] and a[1] == b[1]
         np.testing.assert_array_equal(a[2], b[2])
         np.testing.assert_array_equal(a[3], b[3])
+
+
+def _row_split_state(task: Task, names: list[str]) -> tuple:
+    state = initial_state(task)
+    for name in names:
+        spec = next(s for s in state if s[0] == name)
+        state = row_split(state, spec, tuple(range(task.num_devices)))
+    return state
+
+
+@pytest.mark.parametrize("predictor", ["sum", "sum_max"])
+def test_row_blocks_enter_the_running_sums_as_one_at_a_time(predictor):
+    """On many devices a row-split table is a block per device, put on its device before the
+    greedy places the rest (`add_fixed`, `_place_fixed`, both in one pass): the running sums,
+    each device's cost, free memory and widths are those of taking the blocks one by one, and
+    the runs that follow place as the cached (keyed) shards do."""
+    task = make_task(30, 48, seed=6, slack=20.0)
+    pred = AnalyticPredictor(batch_size=task.batch_size)
+    if predictor == "sum_max":
+        from tests.test_neuroshard import SumMax
+        pred = SumMax()
+    sim = Simulator(pred)
+    book = PieceBook(task, sim)
+    part = GreedyPartitioner(task, sim, book, (1.0, 1.2), incremental=True, grid_max_work=None)
+    book.encode = True
+    state = _row_split_state(task, ["t3", "t17"])
+    pieces = book.pieces_of(state)
+    fixed = [p for p in pieces if p.fixed >= 0]
+    assert len(fixed) == 2 * 48
+
+    batched, single = part._accumulator(), part._accumulator()
+    batched.add_fixed([(p.fixed, p) for p in fixed])
+    for p in fixed:
+        single.add(p.fixed, p, -1)
+    np.testing.assert_array_equal(batched.sum, single.sum)
+    np.testing.assert_allclose(batched.cost, single.cost, rtol=1e-12)
+    assert (batched.cost > 0).all()
+
+    ledger, free, widths = MemoryLedger(task), np.full(48, task.device_memory_bytes, dtype=np.int64), np.zeros(48, dtype=np.int64)
+    part._place_fixed(fixed, ledger, free, widths)
+    want_free, want_widths = np.full(48, task.device_memory_bytes, dtype=np.int64), np.zeros(48, dtype=np.int64)
+    for p in fixed:
+        want_free[p.fixed] -= p.need
+        want_widths[p.fixed] += p.dim
+    np.testing.assert_array_equal(free, want_free)
+    np.testing.assert_array_equal(widths, want_widths)
+    assert ledger.free == want_free.tolist()
+
+    keyed = GreedyPartitioner(task, sim, PieceBook(task, sim), (1.0, 1.2), incremental=False, grid_max_work=None)
+    a, b = part.partition(state), keyed.partition(state)
+    assert a.devices == b.devices
+    np.testing.assert_allclose(a.costs.compute_ms, b.costs.compute_ms, rtol=1e-9)
+
+
+def test_row_blocks_that_overflow_a_device_name_the_first_block_without_room():
+    task = make_task(6, 4, seed=2, slack=2.0)
+    sim = Simulator(AnalyticPredictor(batch_size=task.batch_size))
+    book = PieceBook(task, sim)
+    part = GreedyPartitioner(task, sim, book, (1.0,), grid_max_work=None)
+    fixed = [p for p in book.pieces_of(_row_split_state(task, ["t0", "t1"])) if p.fixed >= 0]
+    free = np.array([task.device_memory_bytes] * 4, dtype=np.int64)
+    t1_block = next(p for p in fixed if p.table.name == "t1" and p.fixed == 2)
+    t0_block = next(p for p in fixed if p.table.name == "t0" and p.fixed == 2)
+    free[2] = t0_block.need + t1_block.need - 1  # t0's block fits on device 2, t1's after it does not
+    ledger = MemoryLedger(task)
+    ledger.free = free.tolist()
+    with pytest.raises(InfeasibleError) as e:
+        part._place_fixed(fixed, ledger, free, np.zeros(4, dtype=np.int64))
+    assert e.value.table == "t1" and f"needs {t1_block.need} bytes" in str(e.value)
 
 
 @pytest.mark.parametrize("fit", ["first", "worst"])

@@ -37,6 +37,11 @@ class DeviceAccumulator(Protocol):
         """`dev` takes `p`; `j` is its index in the last `costs` call's candidates (-1: none)."""
         ...
 
+    def add_fixed(self, pairs: list[tuple[int, Piece]]) -> None:
+        """Each `(dev, p)`: `dev` takes `p`, outside any `costs` call (row blocks, whose device
+        is part of the state): the same state as `add(dev, p, -1)` for each in turn."""
+        ...
+
     def copy(self) -> "DeviceAccumulator":
         """An independent copy of the devices' state (the predictor and its cache shared)."""
         ...
@@ -70,6 +75,10 @@ class KeyedDevices:
         else:
             self.keys[dev] = self.sim.key_with(self.keys[dev], p.pid)
             self.cost[dev] = self.sim.shard_costs([self.keys[dev]], lambda _: self.shards[dev])[0]
+
+    def add_fixed(self, pairs: list[tuple[int, Piece]]) -> None:
+        for dev, p in pairs:
+            self.add(dev, p, -1)
 
     def copy(self) -> KeyedDevices:
         new = copy.copy(self)
@@ -115,6 +124,25 @@ class PooledDevices:
         self.sum[dev] += p.enc
         if self.with_max:
             np.maximum(self.max[dev], p.enc, out=self.max[dev])
+
+    def add_fixed(self, pairs: list[tuple[int, Piece]]) -> None:
+        # every piece into the running reductions, then one head call over the devices they
+        # touched: on many devices a row-split table is a block per device, and one call per
+        # block was most of a greedy run's time
+        if pairs:
+            devs = np.fromiter((dev for dev, _ in pairs), dtype=np.int64, count=len(pairs))
+            enc = np.stack([p.enc for _, p in pairs])
+            np.add.at(self.sum, devs, enc)
+            if self.with_max:
+                np.maximum.at(self.max, devs, enc)
+            touched = np.unique(devs)
+            self.cost[touched] = np.asarray(self.head(self._pooled_now(touched)), dtype=np.float64)
+
+    def _pooled_now(self, rows: np.ndarray) -> np.ndarray:
+        pooled = self.sum[rows]
+        if self.with_max:
+            pooled = np.concatenate([pooled, self.max[rows]], axis=-1)
+        return pooled
 
     def copy(self) -> PooledDevices:
         new = copy.copy(self)

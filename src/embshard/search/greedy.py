@@ -251,6 +251,31 @@ class GreedyPartitioner:
         d = self.task.num_devices
         return PooledDevices(self.sim, d, self._enc_dim) if self.incremental else KeyedDevices(self.sim, d)
 
+    @staticmethod
+    def _place_fixed(fixed: list[Piece], ledger: MemoryLedger, free: np.ndarray, widths: np.ndarray) -> None:
+        """Put each fixed piece on its device, in order: `ledger`, `free` and `widths` as
+        taking them one by one leaves them; raises the InfeasibleError of the first that finds
+        no room. On many devices a row-split table is a block per device: totals per device
+        where every piece fits, one by one only to name the first that does not."""
+        if not fixed:
+            return
+        dev = np.fromiter((p.fixed for p in fixed), dtype=np.int64, count=len(fixed))
+        need = np.fromiter((p.need for p in fixed), dtype=np.int64, count=len(fixed))
+        used = np.zeros(len(free), dtype=np.int64)
+        np.add.at(used, dev, need)  # exact in int64 (bincount's weights are float)
+        if (used > free).any():
+            for p in fixed:
+                if free[p.fixed] < p.need:
+                    raise ledger.nowhere(p.table, p.need)
+                ledger.take(p.fixed, p.need)
+                free[p.fixed] -= p.need
+                widths[p.fixed] += p.dim
+            raise AssertionError("the totals overflowed a device but no piece did")
+        for k in used.nonzero()[0].tolist():
+            ledger.take(k, int(used[k]))
+        free -= used
+        np.add.at(widths, dev, np.fromiter((p.dim for p in fixed), dtype=np.int64, count=len(fixed)))
+
     def _place(self, fixed: list[Piece], ordered: list[Piece], limits: list[float], j: int,
                forks: list[_Fork | None], binds: list[int | None]) -> tuple[list[int], np.ndarray, np.ndarray, bool]:
         """One greedy run under width cap `limits[j]` (caps ascending): (device per piece of
@@ -272,13 +297,8 @@ class GreedyPartitioner:
             free = np.full(d, task.device_memory_bytes, dtype=np.int64)
             widths = np.zeros(d, dtype=np.int64)
             devs = self._accumulator()
-            for p in fixed:  # row blocks: their device is part of the state
-                if free[p.fixed] < p.need:
-                    raise ledger.nowhere(p.table, p.need)
-                ledger.take(p.fixed, p.need)
-                free[p.fixed] -= p.need
-                widths[p.fixed] += p.dim
-                devs.add(p.fixed, p, -1)
+            self._place_fixed(fixed, ledger, free, widths)  # row blocks: their device is part of the state
+            devs.add_fixed([(p.fixed, p) for p in fixed])
             ahead = LookAhead(free, [p.need for p in ordered], fit="worst")
             split = {n for n, k in Counter(p.table.name for p in ordered).items() if k > 1}
             holds: dict[str, np.ndarray] = {n: np.zeros(d, dtype=bool) for n in split}
