@@ -9,6 +9,9 @@ Example:
     .venv/bin/python scripts/fuzz_planners.py measured --seed 3 --tasks 10                 # make fuzz-measured
     .venv/bin/python scripts/fuzz_planners.py measured --seed 6 --tasks 10 --override hardware=dmp_cpu
     .venv/bin/python scripts/fuzz_planners.py torchrec --seed 1 --tasks 30                 # make fuzz-torchrec
+    PYTHONPATH=/tmp/old/src .venv/bin/python scripts/fuzz_planners.py run --seed 61 --tasks 40 --out old.jsonl
+    .venv/bin/python scripts/fuzz_planners.py run --seed 61 --tasks 40 --out new.jsonl
+    .venv/bin/python scripts/fuzz_planners.py compare old.jsonl new.jsonl   # same plans? time new/old
 
 A task: 1-1,500 tables (log-uniform rows 1..2e8, dims 4-1,024, pooling 0.01-500, fp16, several
 bags, Pareto-tailed reuse histograms or none, sharding-type constraints, min_partition, sequence
@@ -25,6 +28,10 @@ kind it does not plan), or a defect: `CRASH` (any other exception, with its trac
 finite and positive). `--slow` marks ok plans slower than that. Prints the defects and a count
 per kind; exit status 1 when there is a defect. Failing tasks are written beside `--out`
 (`<out>.tasks/<task>.json`) to reproduce them with shard.py.
+
+Each ok record carries its plan's digest (`plan`), so `compare` tells two runs of the same tasks
+apart: the code before a change (a worktree's src/ on PYTHONPATH, which then comes before this
+checkout's) and after it, per algorithm: same plans, changed outcomes, planning time new / old.
 
 `measured` (`make fuzz-measured`) takes the same tasks, shrunk so this machine can measure them
 (`measurable`: at most 8 devices, 120 tables, batch 8,192 and 512 MiB of tables, no Adam), through
@@ -47,6 +54,7 @@ refuses (INVALID).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -60,7 +68,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+if not os.environ.get("PYTHONPATH"):  # a PYTHONPATH (another version's src/, say) comes first
+    sys.path.insert(0, str(ROOT / "src"))
 
 DEFECTS = ("CRASH", "MULTILINE", "TIMEOUT", "INVALID", "ESTIMATE")
 SHARDING = ["data_parallel", "table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise"]
@@ -166,11 +175,61 @@ def plan_one(task, algorithm: str, timeout_s: int, model) -> dict[str, Any]:
         except PlanError as e:
             rec |= {"kind": "INVALID", "message": str(e)[:300]}
             return
+        rec["plan"] = plan_signature(plan)
         est = float(model.device_costs(task, plan).plan_cost_ms)
         rec["estimate_ms"] = round(est, 3)
         rec["kind"] = "ok" if np.isfinite(est) and est > 0 else "ESTIMATE"
 
     return _attempt({"algorithm": algorithm}, timeout_s, body)
+
+
+def plan_signature(plan) -> str:
+    """A short digest of where every piece of `plan` lives (`Plan.signature`): equal digests,
+    the same plan."""
+    return hashlib.sha1(repr(plan.signature()).encode()).hexdigest()[:16]
+
+
+def compare(args: argparse.Namespace) -> int:
+    """Two `run` records of the same tasks (say, the code before a change and after it, by
+    PYTHONPATH): per algorithm, on how many (task, algorithm) pairs the plans are the same, which
+    outcomes changed, and the planning time new / old per pair (mean ratio, bootstrap 95%)."""
+    import numpy as np
+
+    from embshard.stats import paired_ratio_summary
+
+    def load(path: str) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(r["task"], r["algorithm"]): r for r in map(json.loads, Path(path).read_text().splitlines()) if r}
+
+    old, new = load(args.old), load(args.new)
+    both = sorted(set(old) & set(new))
+    if not both:
+        print(f"error: {args.old} and {args.new} share no (task, algorithm) record", file=sys.stderr)
+        return 2
+    changed = 0
+    for algorithm in sorted({a for _, a in both}):
+        keys = [k for k in both if k[1] == algorithm]
+        same = sum(old[k].get("plan") is not None and old[k].get("plan") == new[k].get("plan") for k in keys)
+        planned = sum(old[k].get("plan") is not None for k in keys)
+        kinds = [(k[0], old[k]["kind"], new[k]["kind"]) for k in keys
+                 if (old[k]["kind"] == "slow") != (new[k]["kind"] == "slow") or
+                 {old[k]["kind"], new[k]["kind"]} - {"ok", "slow"} and old[k]["kind"] != new[k]["kind"]]
+        diff = [k[0] for k in keys if old[k].get("plan") is not None and new[k].get("plan") is not None
+                and old[k]["plan"] != new[k]["plan"]]
+        timed = [(old[k]["seconds"], new[k]["seconds"]) for k in keys
+                 if "plan" in old[k] and "plan" in new[k] and max(old[k]["seconds"], new[k]["seconds"]) >= args.min_seconds]
+        line = f"{algorithm:20s} {len(keys)} tasks: same plan {same} of {planned} planned"
+        if timed:
+            o, n = np.maximum(np.array(timed).T, 0.01)  # seconds are kept to 0.01
+            r = paired_ratio_summary(n / o)
+            line += (f"; seconds new/old on the {len(timed)} over {args.min_seconds:g} s {r.mean:.3f}x "
+                     f"[{r.low:.3f}, {r.high:.3f}] {r.verdict} (total {o.sum():.1f} -> {n.sum():.1f} s)")
+        print(line)
+        for name, a, b in kinds:
+            print(f"    {name}: {a} -> {b}")
+        if diff:
+            print(f"    other plan: {', '.join(diff[:20])}" + (" ..." if len(diff) > 20 else ""))
+        changed += len(diff) + len(kinds)
+    return 1 if changed and args.strict else 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -433,6 +492,12 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--algorithms", default="neuroshard,portfolio,dreamshard,autoshard,size_lookup_greedy,torchrec")
     tr.add_argument("--timeout", type=int, default=120, help="seconds per plan before it counts as TIMEOUT")
     tr.add_argument("--out", default="experiments/fuzz/torchrec.jsonl")
+    c = sub.add_parser("compare", help="two `run` records of the same tasks: same plans? planning time new/old")
+    c.add_argument("old")
+    c.add_argument("new")
+    c.add_argument("--strict", action="store_true", help="exit 1 when any plan or outcome differs")
+    c.add_argument("--min-seconds", type=float, default=1.0,
+                   help="time ratios only of plans that took this long in either run (shorter ones are noise)")
     t = sub.add_parser("task", help="write one fuzzed task JSON")
     t.add_argument("--seed", type=int, required=True)
     t.add_argument("--index", type=int, required=True)
@@ -444,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.out).write_text(json.dumps(td, indent=1))
                 print(f"wrote {args.out}: {len(td['tables'])} tables x {td['num_devices']} devices")
         return 0
-    return {"measured": measured, "torchrec": torchrec}.get(args.cmd, run)(args)
+    return {"measured": measured, "torchrec": torchrec, "compare": compare}.get(args.cmd, run)(args)
 
 
 if __name__ == "__main__":

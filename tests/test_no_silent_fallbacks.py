@@ -367,6 +367,42 @@ def test_torchrec_fuzzing_draws_the_same_modules_and_flags_a_plan_that_drops_a_t
     assert rec["kind"] == "INVALID" and "missing from the ShardingPlan" in rec["message"]
 
 
+def test_fuzz_compare_tells_the_same_plans_from_other_plans_and_changed_outcomes(tmp_path, capsys):
+    """scripts/fuzz_planners.py compare: per algorithm, same plans counted by the plan digests
+    `run` records (a real plan's digest changes when one shard moves), an outcome that changed
+    named, and --strict exits 1 on any difference."""
+    import importlib.util
+
+    import embshard
+
+    spec = importlib.util.spec_from_file_location("fuzz_planners", ROOT / "scripts" / "fuzz_planners.py")
+    fz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fz)
+    task = Task.from_dict(next(td for _, td in fz.tasks(3, 6) if 1 < len(td["tables"]) < 100 and td["num_devices"] > 1
+                               and not any(t.get("kind") for t in td["tables"])) | {"device_memory_bytes": 1 << 50})
+    plan = embshard.plan(task, algorithm="size_lookup_greedy")
+    moved = embshard.Plan(plan.task, plan.algorithm, [dataclasses.replace(plan.shards[0], device=(plan.shards[0].device + 1) % task.num_devices)] + plan.shards[1:])
+    digest, other = fz.plan_signature(plan), fz.plan_signature(moved)
+    assert digest == fz.plan_signature(embshard.plan(task, algorithm="size_lookup_greedy")) and digest != other
+
+    def rec(name, alg, kind, sig=None, seconds=1.0):
+        return {"task": name, "algorithm": alg, "kind": kind, "seconds": seconds} | ({"plan": sig} if sig else {})
+
+    old = [rec("a", "x", "ok", digest), rec("b", "x", "ok", digest), rec("c", "x", "ok", digest, 2.0), rec("a", "y", "refused")]
+    new = [rec("a", "x", "ok", digest, 0.5), rec("b", "x", "ok", other), rec("c", "x", "CRASH"), rec("a", "y", "refused")]
+    for name, recs in (("old", old), ("new", new)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    args = [str(tmp_path / "old.jsonl"), str(tmp_path / "new.jsonl")]
+    assert fz.main(["compare", *args]) == 0
+    out = capsys.readouterr().out
+    assert "x                    3 tasks: same plan 1 of 3 planned" in out
+    assert "c: ok -> CRASH" in out and "other plan: b" in out
+    assert "y                    1 tasks: same plan 0 of 0 planned" in out
+    assert fz.main(["compare", *args, "--strict"]) == 1
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    assert fz.main(["compare", args[0], args[0], "--strict"]) == 0
+
+
 def test_dmp_step_refuses_a_batch_its_ranks_do_not_share_evenly_before_planning(refused_in_process, tmp_path):
     """Before: a rank without a sample raised inside its worker ("batch_size must be a positive
     integer, got 0"; fuzzed: batch 1 on 8 ranks), and batch 4096 on 5 ranks failed in a row_wise

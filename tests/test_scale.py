@@ -186,6 +186,22 @@ def test_runs_under_larger_caps_picked_up_from_a_fork_are_the_runs_from_scratch(
         np.testing.assert_array_equal(a[3], b[3])
 
 
+def test_auto_keeps_running_sums_on_many_devices_or_many_tables():
+    """incremental="auto": the keyed shard cache only on few devices with few tables; a shard of
+    hundreds of tables re-predicted whole at every placement is quadratic in the tables."""
+    from embshard.search.greedy import INCREMENTAL_MAX_KEYED_TABLES, INCREMENTAL_MIN_DEVICES
+
+    def auto(n: int, d: int) -> bool:
+        task = make_task(n, d, slack=3.0)
+        sim = Simulator(AnalyticPredictor(batch_size=task.batch_size))
+        return GreedyPartitioner(task, sim, PieceBook(task, sim), (1.0,), incremental="auto").incremental
+
+    few = INCREMENTAL_MIN_DEVICES - 1
+    assert not auto(INCREMENTAL_MAX_KEYED_TABLES, few)
+    assert auto(INCREMENTAL_MAX_KEYED_TABLES + 1, few)
+    assert auto(10, INCREMENTAL_MIN_DEVICES)
+
+
 def _row_split_state(task: Task, names: list[str]) -> tuple:
     state = initial_state(task)
     for name in names:

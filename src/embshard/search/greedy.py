@@ -41,6 +41,9 @@ from embshard.task import Task
 DEFAULT_CAPS: tuple[float, ...] = tuple(round(1.0 + 0.05 * i, 2) for i in range(11))
 #: "auto" runs the incremental accumulators from this many devices up
 INCREMENTAL_MIN_DEVICES = 16
+#: or above this many tables, on any device count: a shard of hundreds of tables re-predicted
+#: whole at every placement is quadratic in the tables (1,340 tables on 8 devices: 26 s)
+INCREMENTAL_MAX_KEYED_TABLES = 64
 #: a placement re-predicts at most this many allowed devices: the ones whose current shard
 #: is predicted cheapest (every device up to 128 devices)
 MAX_CANDIDATE_DEVICES = 128
@@ -110,7 +113,7 @@ class GreedyPartitioner:
         caps: balance caps on per-device embedding width (× the even share).
         incremental: running per-device encoding reductions (`PooledDevices`) instead of
             whole-shard re-prediction (`KeyedDevices`); "auto": from INCREMENTAL_MIN_DEVICES
-            devices up. Only where the predictor is an additive `EncodingPredictor`.
+            devices up, or above INCREMENTAL_MAX_KEYED_TABLES tables. Only where the predictor is an additive `EncodingPredictor`.
         top_k: distinct plans to remember (`plans`).
         max_candidates: per placement, only this many allowed devices are re-predicted with
             the piece: those whose current shard is predicted cheapest (ties: more free
@@ -139,8 +142,8 @@ class GreedyPartitioner:
         self.steps_forked = 0
         self._scores: dict[tuple, GreedyResult | InfeasibleError] = {}
         self._top: list[tuple[float, tuple, Candidate]] = []  # (cost, signature, candidate), sorted
-        if incremental == "auto":  # few devices: the shard cache hits more than running sums save
-            incremental = task.num_devices >= INCREMENTAL_MIN_DEVICES
+        if incremental == "auto":  # few devices and tables: the shard cache hits more than running sums save
+            incremental = task.num_devices >= INCREMENTAL_MIN_DEVICES or len(task.tables) > INCREMENTAL_MAX_KEYED_TABLES
         self.incremental = bool(incremental) and supports_incremental(simulator.predictor)
         self._enc_dim = 0
         if self.incremental:

@@ -409,7 +409,8 @@ class NeuroShardSharder(GuardSlot):
             additive reduction (the neural bundle, the analytic adapter), keep running
             per-device reductions instead of re-predicting whole shards (same costs, far
             fewer operations); False: always go through `compute_ms` and the cache; "auto":
-            incremental from INCREMENTAL_MIN_DEVICES devices up.
+            incremental from INCREMENTAL_MIN_DEVICES devices up or above
+            INCREMENTAL_MAX_KEYED_TABLES tables.
         verify: the measured guard: measure this many of the search's best plans, plus the
             `verify_heuristics`' plans, on the attached evaluator and return the measured
             best. "auto": 3 when an evaluator is attached (shard.py attaches one with
