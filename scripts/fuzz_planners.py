@@ -68,8 +68,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if not os.environ.get("PYTHONPATH"):  # a PYTHONPATH (another version's src/, say) comes first
-    sys.path.insert(0, str(ROOT / "src"))
+# after PYTHONPATH's entries (sys.path[1:]), so that another version's src/ there comes first
+sys.path.insert(1 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]), str(ROOT / "src"))
 
 DEFECTS = ("CRASH", "MULTILINE", "TIMEOUT", "INVALID", "ESTIMATE")
 SHARDING = ["data_parallel", "table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise"]
@@ -210,9 +210,10 @@ def compare(args: argparse.Namespace) -> int:
         keys = [k for k in both if k[1] == algorithm]
         same = sum(old[k].get("plan") is not None and old[k].get("plan") == new[k].get("plan") for k in keys)
         planned = sum(old[k].get("plan") is not None for k in keys)
+        # an outcome that changed: into or out of "slow", or anything but ok / slow on either side
         kinds = [(k[0], old[k]["kind"], new[k]["kind"]) for k in keys
-                 if (old[k]["kind"] == "slow") != (new[k]["kind"] == "slow") or
-                 {old[k]["kind"], new[k]["kind"]} - {"ok", "slow"} and old[k]["kind"] != new[k]["kind"]]
+                 if (old[k]["kind"] == "slow") != (new[k]["kind"] == "slow")
+                 or (old[k]["kind"] != new[k]["kind"] and {old[k]["kind"], new[k]["kind"]} - {"ok", "slow"})]
         diff = [k[0] for k in keys if old[k].get("plan") is not None and new[k].get("plan") is not None
                 and old[k]["plan"] != new[k]["plan"]]
         timed = [(old[k]["seconds"], new[k]["seconds"]) for k in keys
