@@ -104,11 +104,13 @@ class PooledDevices:
         self.stats = sim.stats
         self._c = np.zeros(0)
 
-    def _pooled(self, rows: np.ndarray | int, enc: np.ndarray) -> np.ndarray:
-        pooled = self.sum[rows] + enc
-        if self.with_max:
-            pooled = np.concatenate([pooled, np.maximum(self.max[rows], enc)], axis=-1)
-        return pooled
+    def _pooled(self, rows: np.ndarray | int, enc: np.ndarray | None = None) -> np.ndarray:
+        """The head's input for devices `rows` with piece encoding `enc` added (None: as they are)."""
+        if enc is None:
+            pooled, top = self.sum[rows], self.max[rows] if self.with_max else None
+        else:
+            pooled, top = self.sum[rows] + enc, np.maximum(self.max[rows], enc) if self.with_max else None
+        return pooled if top is None else np.concatenate([pooled, top], axis=-1)
 
     def costs(self, cand: np.ndarray, p: Piece) -> np.ndarray:
         self._c = np.asarray(self.head(self._pooled(cand, p.enc)), dtype=np.float64)
@@ -136,13 +138,7 @@ class PooledDevices:
             if self.with_max:
                 np.maximum.at(self.max, devs, enc)
             touched = np.unique(devs)
-            self.cost[touched] = np.asarray(self.head(self._pooled_now(touched)), dtype=np.float64)
-
-    def _pooled_now(self, rows: np.ndarray) -> np.ndarray:
-        pooled = self.sum[rows]
-        if self.with_max:
-            pooled = np.concatenate([pooled, self.max[rows]], axis=-1)
-        return pooled
+            self.cost[touched] = np.asarray(self.head(self._pooled(touched)), dtype=np.float64)
 
     def copy(self) -> PooledDevices:
         new = copy.copy(self)

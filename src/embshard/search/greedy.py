@@ -113,7 +113,8 @@ class GreedyPartitioner:
         caps: balance caps on per-device embedding width (× the even share).
         incremental: running per-device encoding reductions (`PooledDevices`) instead of
             whole-shard re-prediction (`KeyedDevices`); "auto": from INCREMENTAL_MIN_DEVICES
-            devices up, or above INCREMENTAL_MAX_KEYED_TABLES tables. Only where the predictor is an additive `EncodingPredictor`.
+            devices up, or above INCREMENTAL_MAX_KEYED_TABLES tables. Only where the predictor
+            is an additive `EncodingPredictor`.
         top_k: distinct plans to remember (`plans`).
         max_candidates: per placement, only this many allowed devices are re-predicted with
             the piece: those whose current shard is predicted cheapest (ties: more free
