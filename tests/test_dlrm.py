@@ -241,7 +241,9 @@ def test_throughput_two_processes(tiny_task, tmp_path):
                           {"task": "tiny", "algorithm": "pile_up", "measured_cost_ms": 9.0},
                           {"task": "other", "algorithm": "hand", "measured_cost_ms": 1.0}]}
     (tmp_path / "report.json").write_text(json.dumps(report))
-    r = _torchrun(["stage=throughput", *TINY, f"dlrm.task_file={tiny_task / 'task.json'}", "dlrm.pipeline=sparse_dist",
+    # W&B off: its offline run is test_train_under_exported_plan_two_processes's to check (both
+    # stages open their loggers through Session.open_loggers); here it only cost seconds
+    r = _torchrun(["stage=throughput", "experiment=e2e_tiny", f"dlrm.task_file={tiny_task / 'task.json'}", "dlrm.pipeline=sparse_dist",
                    f"dlrm.plans=[{tiny_task / 'mixed.json'},pile_up]", "dlrm.reference=pile_up",
                    f"dlrm.shard_report={tmp_path / 'report.json'}", f"out_dir={out}"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
