@@ -687,3 +687,26 @@ def test_unpackable_only_where_no_packing_exists():
             said += 1
             assert not exists, (free.tolist(), needs.tolist())
     assert said > 20
+
+
+@pytest.mark.parametrize("devices", [4, 40])
+def test_greedy_rule_skips_repacks_where_no_packing_exists_and_chooses_as_they_would(devices, monkeypatch):
+    """`LookAhead.choose` with a proof already lost: where the pending pieces pack into the free
+    memory by no packing (`unpackable`), none of its repacks could succeed, so it tries none and
+    takes the first preferred device, as trying them all does."""
+    rng = np.random.default_rng(3)
+    free = rng.integers(50, 100, size=devices).astype(np.int64)
+    needs = [120, 110, 30, 20, 10]  # the two largest fit no device: no packing exists
+    preference = [int(x) for x in np.argsort(-free, kind="stable")[:3]]
+
+    def choose(skip: bool) -> tuple[int, bool, int]:
+        ahead = LookAhead(free.copy(), needs, fit="worst")
+        assert not ahead.valid
+        if not skip:
+            monkeypatch.setattr(ahead, "unpackable", lambda f, r=16: False)
+        device = ahead.choose(4, free, preference, lambda: [d for d in range(devices) if d not in preference])
+        return device, ahead.valid, ahead.repacks
+
+    fast, slow = choose(True), choose(False)
+    assert fast == (preference[0], False, 0)
+    assert slow[:2] == fast[:2] and slow[2] > 0

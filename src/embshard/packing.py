@@ -372,6 +372,11 @@ class LookAhead:
                     self.slack[d] -= need
                     return d
             rest = room[1:]
+        elif self.unpackable(free):
+            # no packing of the pending pieces into `free` exists, so none into less room on any
+            # device: every repack below would fail (an infeasible piece set: the greedy names it
+            # at the piece that finds no room)
+            return room[0]
         else:
             rest = all_room()
         for d in rest:
