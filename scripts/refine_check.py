@@ -39,14 +39,12 @@ def task_of(rec: dict):
 
 
 def measure(args: argparse.Namespace) -> None:
-    from embshard.costs.features import planning_view
     from embshard.hardware.evaluator import HardwareEvaluator
     from embshard.plan import validate
     from embshard.search.constrained import shard_constrained
     from embshard.search.guard import heuristic_sharders
     from embshard.search.neuroshard import NeuroShardSharder
     from embshard.search.refine import Refiner, fit_correction
-    from embshard.search.simulator import batch_ratio
     from embshard.stats import paired_ratio_summary
     from embshard.task import Task
 
@@ -56,9 +54,8 @@ def measure(args: argparse.Namespace) -> None:
     with open(args.out, "w") as out:
         for path in args.tasks:
             task = Task.from_dict(json.loads(Path(path).read_text()), source=path)
-            view, _ = planning_view(task)
-            sim = ns.simulator_for(task)
-            ratio = batch_ratio(sim.predictor, task)
+            r = ns.refinement_for(task)  # the guard's view, models and batch ratio on this task
+            view, sim, ratio = r.view, r.simulator, r.ratio
             plans = {"neuroshard": ns.shard(task)}
             makers = heuristic_sharders()
             for h in ("size_lookup_greedy", "lookup_greedy", "dim_greedy"):
@@ -98,11 +95,9 @@ def measure(args: argparse.Namespace) -> None:
 
 def loo(args: argparse.Namespace) -> None:
     from embshard.costs.base import DeviceCosts
-    from embshard.costs.features import planning_view
     from embshard.plan import Plan, device_pieces
     from embshard.search.neuroshard import NeuroShardSharder
     from embshard.search.refine import fit_correction, shares
-    from embshard.search.simulator import batch_ratio
 
     ns = NeuroShardSharder(verify=0)
     ridges = args.ridges
@@ -110,9 +105,8 @@ def loo(args: argparse.Namespace) -> None:
     slowest: dict[float, list[float]] = {r: [] for r in ridges}
     for rec in records(args.records):
         task = task_of(rec)
-        view, _ = planning_view(task)
-        sim = ns.simulator_for(task)
-        ratio = batch_ratio(sim.predictor, task)
+        r = ns.refinement_for(task)
+        view, sim, ratio = r.view, r.simulator, r.ratio
         labels = list(rec["plans"])
         plans = [Plan.from_dict(rec["plans"][k]) for k in labels]
         costs = [DeviceCosts(rec["costs"][k]["compute_ms"], rec["costs"][k]["forward_comm_ms"],
