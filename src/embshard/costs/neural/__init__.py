@@ -60,7 +60,7 @@ all-to-alls. A machine measured while other jobs shared it is slower by a consta
 ranking of shards does not change, the absolute ms do.
 """
 
-from embshard.costs.neural.calibration import MODEL_KEYS, check_calibration, fit_calibration
+from embshard.costs.neural.calibration import MODEL_KEYS, check_calibration, fit_calibration, fit_term_scales, term_scales
 from embshard.costs.neural.features import (BACKWARD_COMM_FEATURES, COMM_FEATURE_NAMES, COMPUTE_FEATURE_NAMES,
                                             LOG_FLOOR_MS, NUM_RATES, RATE_TERMS, TARGETS, Normalization,
                                             comm_features, compute_features, forward_wait_ms)
@@ -76,7 +76,7 @@ __all__ = [
     "LOG_FLOOR_MS", "MODEL_KEYS", "NUM_RATES", "RATE_RANGE", "RATE_TERMS", "TARGETS", "BatchCostModels", "CommNet",
     "CommSample", "ComputeNet", "ComputeSample", "NeuralCostModels", "Normalization", "NumpyCommNet",
     "NumpyComputeNet", "build_net", "check_calibration", "comm_arrays", "comm_features", "comm_tensors",
-    "compute_arrays", "compute_features", "compute_tensors", "fit_calibration", "forward_wait_ms",
+    "compute_arrays", "compute_features", "compute_tensors", "fit_calibration", "fit_term_scales", "forward_wait_ms",
     "load_comm_samples", "load_compute_samples", "make_module", "most_common_batch", "normalize_to_probe",
     "read_jsonl",
 ]

@@ -15,7 +15,7 @@ from torch import nn
 from embshard.costs.base import DeviceCosts
 from embshard.costs.envelope import Envelope
 from embshard.costs.features import NUM_EXTENSIVE, planning_view
-from embshard.costs.neural.calibration import MODEL_KEYS, check_calibration
+from embshard.costs.neural.calibration import MODEL_KEYS, check_calibration, term_scales
 from embshard.costs.neural.features import (BACKWARD_COMM_FEATURES, COMM_FEATURE_NAMES, COMPUTE_FEATURE_NAMES,
                                             NUM_RATES, Normalization, comm_features, compute_features,
                                             forward_wait_ms)
@@ -77,9 +77,14 @@ class NeuralCostModels:
         except Exception as e:  # KeyError, TypeError, RuntimeError from load_state_dict, ...
             msg = str(e).splitlines()[0] if str(e) else ""
             raise InputError(f"{source}: not a valid cost-model checkpoint ({type(e).__name__}: {msg[:200]})") from None
+        self._raw_compute = states["compute"]
+        terms = term_scales(self.calibration)
+        if (terms != 1.0).any():  # calibrated kinds of work: every rate of that kind, in both nets
+            c = dict(states["compute"])
+            c["rate_scale"] = c["rate_scale"] * torch.as_tensor(terms, dtype=c["rate_scale"].dtype)
+            states["compute"] = c
         self._states = states
-        c = states["compute"]
-        self._compute = NumpyComputeNet(c)
+        self._compute = NumpyComputeNet(states["compute"])
         self.scale = {k: float((self.calibration or {}).get(k, 1.0)) for k in MODEL_KEYS}
         #: what `rescale_to` did (report.json's `rescale`): None until it is called
         self.rescale: dict[str, Any] | None = None
@@ -126,6 +131,14 @@ class NeuralCostModels:
         if not isinstance(bundle, dict):
             raise InputError(f"{p}: not a cost-model checkpoint (top level is {type(bundle).__name__})")
         return cls(bundle, source=str(p))
+
+    def raw_state(self, kind: str) -> dict[str, Any]:
+        """A model's weights as trained, before any calibration of its kinds of work."""
+        return self._raw_compute if kind == "compute" else self._states[kind]
+
+    def features(self, tables: Sequence[Table], batch_size: int) -> np.ndarray:
+        """[len(tables), F] the compute model's raw features of `tables` at `batch_size`."""
+        return compute_features(tables, batch_size)
 
     def net(self, kind: str) -> nn.Module:
         """The torch network of one model (for inspection or gradient-based use)."""

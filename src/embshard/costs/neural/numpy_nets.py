@@ -62,15 +62,24 @@ class NumpyComputeNet:
         work = feats[:, NUM_INTENSIVE:].astype(np.float64)
         return np.concatenate([rate * work[:, _RATE_IDX], work], axis=1)
 
-    def head(self, pooled: np.ndarray) -> np.ndarray:
-        """[n] ms of shards from their summed encodings [n, R + E]."""
-        pooled = np.asarray(pooled, np.float64)
-        terms, work = pooled[:, :NUM_RATES], pooled[:, NUM_RATES:]
+    def _multipliers(self, work: np.ndarray) -> np.ndarray:
         # np.minimum(np.maximum(...)) is np.clip's arithmetic without its per-call overhead, and
         # one _bexp over every column: a search calls this per placement, tens of thousands of times
         lw = np.minimum(np.maximum(np.log1p(np.maximum(work, 0.0)), self.ctx_lo), self.ctx_hi)
-        b = _bexp(_mlp((lw - self.ctx_mean) / self.ctx_std, self.context, relu_last=False), CONTEXT_RANGE)
-        return (terms * b[:, :-1]).sum(1) + self.base_ms * b[:, -1]
+        return _bexp(_mlp((lw - self.ctx_mean) / self.ctx_std, self.context, relu_last=False), CONTEXT_RANGE)
+
+    def head(self, pooled: np.ndarray) -> np.ndarray:
+        """[n] ms of shards from their summed encodings [n, R + E]."""
+        pooled = np.asarray(pooled, np.float64)
+        b = self._multipliers(pooled[:, NUM_RATES:])
+        return (pooled[:, :NUM_RATES] * b[:, :-1]).sum(1) + self.base_ms * b[:, -1]
+
+    def head_parts(self, pooled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`head` before its sum: [n, R] ms per kind of work (terms x their context's
+        multipliers) and [n] the base; `head` = parts summed + base."""
+        pooled = np.asarray(pooled, np.float64)
+        b = self._multipliers(pooled[:, NUM_RATES:])
+        return pooled[:, :NUM_RATES] * b[:, :-1], self.base_ms * b[:, -1]
 
 
 class NumpyCommNet:
