@@ -156,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         if not models.calibration:
             print(f"error: {args.calibration}: not a calibrated checkpoint (no calibration entry)", file=sys.stderr)
             return 2
+        if models.calibration.get("compute_terms"):
+            print(f"error: {args.calibration}: calibrates kinds of compute work (compute_terms), so its estimates do not "
+                  "follow from the reports' by one scale; evaluate with it instead (cost_model.path=...)", file=sys.stderr)
+            return 2
         scale = models.scale
     every: list[dict] = []
     rows = []

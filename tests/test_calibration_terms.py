@@ -163,3 +163,16 @@ def test_scales_calibrate_on_top_of_kinds_of_work_and_keep_them(tmp_path):
     assert _load_script().main(["--checkpoint", str(terms), "--data", str(data), "--out", str(out)]) == 0
     both = NeuralCostModels.load(out)
     assert both.scale["compute"] == pytest.approx(0.5) and both.calibration["compute_terms"] == TRUE
+
+
+def test_fidelity_refuses_to_rescale_reports_by_a_kinds_of_work_calibration(tmp_path, capsys):
+    """eval_fidelity.py --calibration rescales a report's estimates by the models' scales; kinds
+    of work change every estimate differently, so that would be silently wrong: refused."""
+    spec = importlib.util.spec_from_file_location("eval_fidelity", ROOT / "scripts" / "eval_fidelity.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    terms = tmp_path / "terms.pt"
+    torch.save(_bundle({"compute_terms": TRUE}), terms)
+    assert script.main([str(ROOT / "docs" / "user_eval" / "report.json"), "--calibration", str(terms)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "compute_terms" in err[0]
