@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from embshard import Plan, Table, Task
-from embshard.costs.neural import RATE_TERMS, ComputeSample, NeuralCostModels, fit_term_scales
+from embshard.costs.neural import RATE_TERMS, ComputeSample, NeuralCostModels, compute_features, fit_term_scales
 from embshard.errors import InputError
 
 from conftest import ROOT
@@ -54,14 +54,14 @@ def test_a_kind_of_work_scales_only_its_own_term_in_both_nets():
     shards = _shards(rng, 6)
     c = np.array([TRUE.get(k, 1.0) for k in RATE_TERMS])
     for sh in shards:
-        pooled = plain._compute.encode(plain.features(sh, 8192)).sum(0)[None]
+        pooled = plain._compute.encode(compute_features(sh, 8192)).sum(0)[None]
         parts, base = plain._compute.head_parts(pooled)
         want = float((parts * c).sum() + base[0])
         assert float(plain._compute.head(pooled)[0]) == pytest.approx(float(parts.sum() + base[0]), rel=1e-12)
         got = float(cal.at_batch(8192).compute_ms([sh])[0])
         assert got == pytest.approx(want, rel=1e-6)  # the rates are float32
         assert got != pytest.approx(float(plain.at_batch(8192).compute_ms([sh])[0]), rel=1e-3)
-        x = torch.from_numpy(cal.features(sh, 8192))[None]
+        x = torch.from_numpy(compute_features(sh, 8192))[None]
         with torch.no_grad():  # the torch net of the calibrated models predicts the same
             assert cal.net("compute")(x, torch.ones(1, len(sh))).item() == pytest.approx(got, rel=1e-4)
     # the calibration's raw state is the shipped one: fitting again starts from the model as trained

@@ -60,7 +60,7 @@ all-to-alls. A machine measured while other jobs shared it is slower by a consta
 ranking of shards does not change, the absolute ms do.
 """
 
-from embshard.costs.neural.calibration import MODEL_KEYS, check_calibration, fit_calibration, fit_term_scales, term_scales
+from embshard.costs.neural.calibration import MODEL_KEYS, check_calibration, fit_calibration, fit_term_scales
 from embshard.costs.neural.features import (BACKWARD_COMM_FEATURES, COMM_FEATURE_NAMES, COMPUTE_FEATURE_NAMES,
                                             LOG_FLOOR_MS, NUM_RATES, RATE_TERMS, TARGETS, Normalization,
                                             comm_features, compute_features, forward_wait_ms)

@@ -9,8 +9,9 @@ import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+import torch
 
-from embshard.costs.neural.features import RATE_TERMS, forward_wait_ms
+from embshard.costs.neural.features import RATE_TERMS, compute_features, forward_wait_ms
 from embshard.costs.neural.samples import CommSample, ComputeSample
 from embshard.errors import InputError
 
@@ -62,8 +63,6 @@ def fit_term_scales(models: "NeuralCostModels", compute: Sequence["ComputeSample
     prediction stays where it was (the level is the compute scale's); `ridge` pulls their logs
     towards 0 (the shipped model). Any calibration `models` carry is divided out (the raw nets
     are fitted)."""
-    import torch
-
     from embshard.costs.neural.numpy_nets import NumpyComputeNet
 
     if len(compute) < 2 * len(RATE_TERMS):
@@ -72,9 +71,10 @@ def fit_term_scales(models: "NeuralCostModels", compute: Sequence["ComputeSample
     raw = NumpyComputeNet(models.raw_state("compute"))
     A, base, ms = [], [], []
     for s in compute:
-        pooled = raw.encode(models.features(s.tables, s.batch_size)).sum(0)[None]
-        a, b = raw.head_parts(pooled)
-        A.append(a[0]), base.append(b[0]), ms.append(s.ms)
+        a, b = raw.head_parts(raw.encode(compute_features(s.tables, s.batch_size)).sum(0)[None])
+        A.append(a[0])
+        base.append(b[0])
+        ms.append(s.ms)
     keys = list(groups) if groups is not None else [0] * len(compute)
     if len(keys) != len(compute):
         raise InputError(f"{len(keys)} groups for {len(compute)} compute samples")

@@ -136,10 +136,6 @@ class NeuralCostModels:
         """A model's weights as trained, before any calibration of its kinds of work."""
         return self._raw_compute if kind == "compute" else self._states[kind]
 
-    def features(self, tables: Sequence[Table], batch_size: int) -> np.ndarray:
-        """[len(tables), F] the compute model's raw features of `tables` at `batch_size`."""
-        return compute_features(tables, batch_size)
-
     def net(self, kind: str) -> nn.Module:
         """The torch network of one model (for inspection or gradient-based use)."""
         net = build_net(kind, self.hparams[kind])
