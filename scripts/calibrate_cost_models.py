@@ -21,7 +21,7 @@ only how the kinds weigh against each other is fitted; the compute scale is then
 task (each task's plans are measured in one call, interleaved); `--terms-only` writes the
 kinds of work alone, leaving the models' level to the speed probe (a checkpoint with kinds
 only is calibrated again as an uncalibrated one, keeping its kinds unless `--terms` refits them):
-    python scripts/calibrate_cost_models.py --terms-only --plans experiments/val/runs/20-30x2 \
+    python scripts/calibrate_cost_models.py --terms-only --plans experiments/val/runs/20-30x2 \\
         --out experiments/val/cost_models_terms.pt
 
 Prints the scales and the error on the calibration samples before and after (with `--plans`,
