@@ -41,13 +41,13 @@ import numpy as np
 import torch
 
 from embshard.costs.collect import PROFILE, read_profile
-from embshard.costs.features import planning_view
 from embshard.costs.neural import (MODEL_KEYS, ComputeSample, NeuralCostModels, fit_calibration, fit_term_scales,
                                    load_comm_samples, load_compute_samples)
 from embshard.costs.pretrain import regression_metrics
 from embshard.errors import EmbshardError, InputError
 from embshard.io import atomic_path
-from embshard.plan import Plan, device_pieces
+from embshard.report import measured_plan_devices
+from embshard.stats import centred_within
 from embshard.task import load_tasks
 
 
@@ -134,27 +134,29 @@ def measured_plan_samples(out_dir: Path) -> tuple[list[ComputeSample], list[tupl
         if not f.is_file():
             raise InputError(f"{out_dir}: no {f.name}; give the out_dir of a shard.py evaluate=measured run")
     try:
-        rep = json.loads(report.read_text())
         task_file = (yaml.safe_load(config.read_text()) or {}).get("task_file")
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise InputError(f"{out_dir}: unreadable report or config ({type(e).__name__})") from None
+    except yaml.YAMLError as e:
+        raise InputError(f"{config}: unreadable ({type(e).__name__})") from None
     if not task_file:
         raise InputError(f"{config}: no task_file")
     tasks = {t.name: t for t in load_tasks(task_file)}
+
+    def task_of(name: str):
+        if name not in tasks:
+            raise InputError(f"{report}: task {name!r} is not in {task_file}")
+        return tasks[name]
+
     samples, keys = [], []
-    for r in rep.get("results", []):
-        costs = r.get("measured_device_costs") or {}
-        if not r.get("valid") or not costs.get("compute_ms") or costs.get("source") != "kernels":
-            continue
-        task = tasks.get(r["task"])
-        if task is None:
-            raise InputError(f"{report}: task {r['task']!r} is not in {task_file}")
-        plan = Plan.load(out_dir / "plans" / r["task"] / f"{r['algorithm']}.json")
-        view, _ = planning_view(task)
-        for pieces, ms in zip(device_pieces(view, plan), costs["compute_ms"]):
-            if pieces and ms > 0:
-                samples.append(ComputeSample(list(pieces), task.batch_size, float(ms), origin=r["algorithm"]))
-                keys.append((r["task"], r["algorithm"]))
+    try:
+        for r, task, pieces_of, measured in measured_plan_devices(out_dir, task_of, require_plans=True):
+            if r["measured_device_costs"].get("source") != "kernels":
+                continue
+            for pieces, ms in zip(pieces_of, measured):
+                if pieces and ms > 0:
+                    samples.append(ComputeSample(list(pieces), task.batch_size, float(ms), origin=r["algorithm"]))
+                    keys.append((r["task"], r["algorithm"]))
+    except json.JSONDecodeError as e:
+        raise InputError(f"{report}: unreadable ({type(e).__name__})") from None
     if not samples:
         raise InputError(f"{report}: no plan measured device by device (evaluate=measured with the kernel hardware)")
     return samples, keys
@@ -162,9 +164,10 @@ def measured_plan_samples(out_dir: Path) -> tuple[list[ComputeSample], list[tupl
 
 def within_plan_sd(measured: np.ndarray, pred: np.ndarray, groups: list[list[int]]) -> float:
     """sd of log(measured / predicted) about each plan's own mean, over its devices."""
-    r = np.log(measured / pred)
-    dev = [r[g] - r[g].mean() for g in groups if len(g) > 1]
-    return float(np.concatenate(dev).std()) if dev else float("nan")
+    multi = [g for g in groups if len(g) > 1]
+    if not multi:
+        return float("nan")
+    return float(centred_within(np.log(measured / pred), multi)[np.concatenate(multi)].std())
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ what the cost models see): the comparison shows what the replay view is worth.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -34,7 +33,8 @@ from embshard.costs import features as F  # noqa: E402
 from embshard.costs.neural import NeuralCostModels  # noqa: E402
 from embshard.errors import InputError  # noqa: E402
 from embshard.io import write_json_atomic  # noqa: E402
-from embshard.plan import Plan, device_pieces  # noqa: E402
+from embshard.report import measured_plan_devices  # noqa: E402
+from embshard.stats import centred_within  # noqa: E402
 from embshard.task import Task  # noqa: E402
 
 _TOUCHED = F.INTENSIVE_NAMES.index("touched_row_share")
@@ -49,14 +49,9 @@ def device_errors(run_dirs: list[Path], models: NeuralCostModels, histograms: st
             raise InputError(f"{root}: no runs/<setting>/report.json")
         for rep in reports:
             setting = rep.parent.name
-            for r in json.loads(rep.read_text())["results"]:
-                meas = (r.get("measured_device_costs") or {}).get("compute_ms")
-                plan_file = rep.parent / "plans" / r["task"] / f"{r['algorithm']}.json"
-                if not r.get("valid") or not meas or not plan_file.exists():
-                    continue
-                task = Task.load(root / "tasks" / setting / f"{r['task']}.json")
-                view, _ = F.planning_view(task, replay_traces=histograms == "replay")
-                pieces = device_pieces(view, Plan.load(plan_file))
+            tasks = root / "tasks" / setting
+            for r, task, pieces, meas in measured_plan_devices(rep.parent, lambda name: Task.load(tasks / f"{name}.json"),
+                                                               replay_traces=histograms == "replay"):
                 pred = models.at_batch(task.batch_size).compute_ms(pieces)
                 for d, (pc, m, p) in enumerate(zip(pieces, meas, pred)):
                     if not pc or m <= 0 or p <= 0:
@@ -75,10 +70,7 @@ def summarize(rows: list[dict]) -> dict:
         by[r["plan"]].append(i)
     e = np.array([r["log_error"] for r in rows])
     t = np.array([r["touched_share"] for r in rows])
-    ed, td = e.copy(), t.copy()
-    for ix in by.values():
-        ed[ix] -= e[ix].mean()
-        td[ix] -= t[ix].mean()
+    ed, td = centred_within(e, list(by.values())), centred_within(t, list(by.values()))
 
     def part(mask):
         return {"devices": int(mask.sum()), "within_plan_sd": round(float(ed[mask].std()), 4)}

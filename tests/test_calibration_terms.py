@@ -176,3 +176,27 @@ def test_fidelity_refuses_to_rescale_reports_by_a_kinds_of_work_calibration(tmp_
     assert script.main([str(ROOT / "docs" / "user_eval" / "report.json"), "--calibration", str(terms)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "compute_terms" in err[0]
+
+
+def test_measured_plans_are_read_where_shard_py_writes_them_for_one_task_or_many(tmp_path):
+    """shard.py writes plans/<algorithm>.json for a run of one task, plans/<task>/<algorithm>.json
+    for several; a valid measured row whose plan file is missing is skipped, or named."""
+    from embshard.report import measured_plan_devices
+
+    task = Task(name="one", tables=[Table("a", 1000, 8, 2.0), Table("b", 5000, 16, 1.0)], num_devices=2,
+                device_memory_bytes=2 ** 30, batch_size=2048)
+    plan = Plan.from_dict({"task": "one", "algorithm": "alg", "shards": [
+        {"table": t.name, "device": d, "col_offset": 0, "dim": t.dim, "row_offset": 0, "rows": t.rows}
+        for d, t in enumerate(task.tables)]})
+    row = {"task": "one", "algorithm": "alg", "valid": True, "measured_device_costs": {"compute_ms": [1.0, 2.0]}}
+    missing = {**row, "algorithm": "gone"}
+    for layout, tasks in (("plans/alg.json", ["one"]), ("plans/one/alg.json", ["one", "two"])):
+        out = tmp_path / layout.replace("/", "_")
+        (out / layout).parent.mkdir(parents=True)
+        (out / layout).write_text(json.dumps(plan.to_dict()))
+        (out / "report.json").write_text(json.dumps({"tasks": tasks, "results": [row, missing]}))
+        got = list(measured_plan_devices(out, lambda name: task))
+        assert [(r["algorithm"], [[p.name for p in d] for d in pieces], ms) for r, _, pieces, ms in got] == \
+            [("alg", [["a"], ["b"]], [1.0, 2.0])]
+        with pytest.raises(InputError, match="no plan file .*gone.json"):
+            list(measured_plan_devices(out, lambda name: task, require_plans=True))

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -22,6 +22,40 @@ from embshard.task import Task
 #: The heuristics a learned planner must beat: "the best heuristic" of a task is the cheapest
 #: of these that ran on it (by the compared metric).
 HEURISTICS = ("random", "round_robin", "size_greedy", "dim_greedy", "lookup_greedy", "size_lookup_greedy")
+
+
+def plan_file(out_dir: Path, report: dict[str, Any], task: str, algorithm: str) -> Path:
+    """Where shard.py wrote a result's plan: plans/<task>/<algorithm>.json, or
+    plans/<algorithm>.json in a run of one task."""
+    nested = out_dir / "plans" / task / f"{algorithm}.json"
+    if nested.exists() or len(report.get("tasks") or []) != 1:
+        return nested
+    return out_dir / "plans" / f"{algorithm}.json"
+
+
+def measured_plan_devices(out_dir: Path, task_of: Callable[[str], Task], replay_traces: bool = True,
+                          require_plans: bool = False) -> Iterator[tuple[dict[str, Any], Task, list, list[float]]]:
+    """Every valid plan of a `shard.py evaluate=measured` out_dir whose devices' compute was
+    measured: (its report row, its task, each device's pieces as the cost models see them
+    (`planning_view`), each device's measured compute ms). `task_of` finds a task by name. A
+    plan without its plan file beside the report is skipped, or, with `require_plans`, an
+    InputError naming the file."""
+    from embshard.costs.features import planning_view
+    from embshard.plan import Plan, device_pieces
+
+    report = json.loads((out_dir / "report.json").read_text())
+    for r in report.get("results", []):
+        measured = (r.get("measured_device_costs") or {}).get("compute_ms")
+        if not r.get("valid") or not measured:
+            continue
+        path = plan_file(out_dir, report, r["task"], r["algorithm"])
+        if not path.exists():
+            if require_plans:
+                raise InputError(f"{out_dir}: no plan file {path} for {r['algorithm']} on task {r['task']!r}")
+            continue
+        task = task_of(r["task"])
+        view, _ = planning_view(task, replay_traces=replay_traces)
+        yield r, task, device_pieces(view, Plan.load(path)), measured
 
 
 def best_heuristic(results: Sequence[Result], metric: str) -> Result | None:

@@ -31,6 +31,17 @@ from embshard.errors import InputError
 BOOTSTRAP_DRAWS = 10_000
 
 
+def centred_within(values: Sequence[float] | np.ndarray, groups: Sequence[Sequence[int]]) -> np.ndarray:
+    """`values` (float) less the mean of each of the disjoint groups of indices they fall in
+    (indices in no group keep their value): e.g. a device's log error about its own plan's
+    mean."""
+    out = np.asarray(values, dtype=np.float64).copy()
+    for g in groups:
+        ix = np.asarray(g, dtype=np.int64)
+        out[ix] -= out[ix].mean()
+    return out
+
+
 def kendall_tau_b(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray, chunk: int = 2048) -> float:
     """Kendall's τ-b (ties corrected), numpy only, O(n²) in chunks; nan below two items."""
     x = np.asarray(x, np.float64).ravel()

@@ -78,8 +78,8 @@ def fit_term_scales(models: "NeuralCostModels", compute: Sequence["ComputeSample
     keys = list(groups) if groups is not None else [0] * len(compute)
     if len(keys) != len(compute):
         raise InputError(f"{len(keys)} groups for {len(compute)} compute samples")
-    names = sorted(set(map(str, keys)))
-    gi = torch.tensor([names.index(str(k)) for k in keys])
+    names, inverse = np.unique(np.array([str(k) for k in keys]), return_inverse=True)
+    gi = torch.from_numpy(inverse.astype(np.int64).reshape(-1))
     counts = torch.bincount(gi, minlength=len(names)).double()
     At, bt = torch.tensor(np.array(A)), torch.tensor(np.array(base))
     lm = torch.log(torch.tensor(np.maximum(ms, 1e-6), dtype=torch.float64))
