@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 MODEL_KEYS = ("compute", "forward_comm", "backward_comm")
 
 
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
 def check_calibration(cal: Any, source: str) -> dict[str, Any] | None:
     """The optional `calibration` entry: positive finite scales for the three models."""
     if cal is None:
@@ -29,7 +33,7 @@ def check_calibration(cal: Any, source: str) -> dict[str, Any] | None:
         raise InputError(f"{source}: calibration must be a mapping, got {type(cal).__name__}")
     for k in MODEL_KEYS:
         v = cal.get(k, 1.0)
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+        if not _positive(v):
             raise InputError(f"{source}: calibration.{k} must be a positive number, got {v!r}")
     terms = cal.get("compute_terms")
     if terms is not None:
@@ -41,7 +45,7 @@ def check_calibration(cal: Any, source: str) -> dict[str, Any] | None:
             raise InputError(f"{source}: calibration.compute_terms has unknown kinds of work {unknown}; "
                              f"known: {list(RATE_TERMS)}")
         for k, v in terms.items():
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+            if not _positive(v):
                 raise InputError(f"{source}: calibration.compute_terms.{k} must be a positive number, got {v!r}")
     return dict(cal)
 
