@@ -78,6 +78,25 @@ def heuristic_sharders() -> dict[str, Callable[[], Sharder]]:
     return out
 
 
+def heuristic_plans(names: Sequence[str], task: Task, owner: str) -> tuple[dict[str, Plan], dict[str, str]]:
+    """({name: valid plan}, {name: the one-line reason it has none}) of the heuristics `names`
+    (`heuristic_sharders`' names) on `task`, each with a table too large for a device cut first
+    (`shard_constrained`), in `names`' order."""
+    makers = heuristic_sharders()
+    plans: dict[str, Plan] = {}
+    skipped: dict[str, str] = {}
+    for h in names:
+        try:
+            hp = shard_constrained(makers[h](), task)
+            validate(task, hp)
+        except EmbshardError as e:
+            log.debug("%s: %s has no valid plan for %s (%s)", owner, h, task.name, e)
+            skipped[h] = str(e).splitlines()[0]
+            continue
+        plans[h] = hp
+    return plans, skipped
+
+
 def decide(rounds: Sequence[Mapping[str, float]], search: str, contenders: Sequence[str], min_rounds: int,
            interval: str = "bootstrap") -> tuple[str, str, RatioSummary]:
     """The guard's rule on its measured rounds (cost in ms by label, each round holding `search`
@@ -228,16 +247,8 @@ class MeasuredGuard:
         round 1 measured, which joins the search contenders as "refined", and the paired rounds
         the verdict is taken on begin after round 1 (every contender measured in each)."""
         labelled: list[tuple[str, str, Plan]] = [(label, "search", p) for label, p in candidates]
-        skipped: dict[str, str] = {}
-        for h in self.heuristics:
-            try:
-                hp = shard_constrained(self._keys[h](), task)  # a table too large for a device cut first
-                validate(task, hp)
-            except EmbshardError as e:
-                log.debug("%s guard: %s has no valid plan for %s (%s)", self.owner, h, task.name, e)
-                skipped[h] = str(e).splitlines()[0]
-                continue
-            labelled.append((h, "heuristic", hp))
+        plans, skipped = heuristic_plans(self.heuristics, task, f"{self.owner} guard")
+        labelled += [(h, "heuristic", hp) for h, hp in plans.items()]
         unique: dict[tuple, int] = {}
         for i, (_, _, p) in enumerate(labelled):
             unique.setdefault(p.signature(), i)

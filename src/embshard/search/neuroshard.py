@@ -70,7 +70,8 @@ from embshard.plan import Plan, even_row_layout, validate
 from embshard.search.base import Capabilities
 from embshard.search.greedy import (DEFAULT_CAPS, GRID_MAX_WORK, INCREMENTAL_MIN_DEVICES, MAX_CANDIDATE_DEVICES,
                                     Candidate, GreedyPartitioner, GreedyResult)
-from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_sharders
+from embshard.search.guard import (DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_plans,
+                                   heuristic_sharders)
 from embshard.search.pieces import (FREE, PieceBook, PieceSpec, halvable, halve, initial_state, row_split,
                                     row_splittable, slices_below)
 from embshard.search.refine import MeasuredRefinement
@@ -85,6 +86,9 @@ BEAM_MAX_PIECES = 64
 #: without the beam, pieces predicted dearer alone than this many even shares are cut (`split_above`)
 SPLIT_ABOVE = 1.0
 SPLIT_CHECKS = ("analytic", None)
+#: the floor (`floor`) runs on tasks of at most this many tables x devices: 856 x 128 is 109,568
+#: (each heuristic plans and is priced in well under a second there); 5,384 x 1,024 is 5.5 million
+FLOOR_MAX_WORK = 2_000_000
 
 __all__ = ["BEAM_MAX_PIECES", "BUILD_COMMAND", "Candidate", "DEFAULT_CAPS", "DEFAULT_CHECKPOINT", "GreedyResult", "GuardResult",
            "INCREMENTAL_MIN_DEVICES", "NeuroShardSearch", "NeuroShardSharder", "ROOT", "halve", "heuristic_sharders",
@@ -446,6 +450,16 @@ class NeuroShardSharder(GuardSlot):
             (module docstring); None: never (the behaviour before 2026-12-01).
         split_check: "analytic": that plan is kept only where the analytic cost model also puts
             it below the uncut one; None: the search's models alone decide.
+        floor: heuristics (conf/search names, as `verify_heuristics`) whose plans the search's
+            own models price after the search: its pick is returned only where predicted at or
+            below (1 - `floor_margin`) x the cheapest of them, else that heuristic's plan (named
+            in report.json's `search_info.floor`). A greedy under tight memory can end above a
+            sorted heuristic by its own models; this keeps the pick never worse by them. ()
+            or None: off (the behaviour before 2026-12-03).
+        floor_margin: the predicted gain the search's pick must show over the cheapest floor
+            plan, as a share (0: none; ties keep the search's).
+        floor_max_work: skip the floor on tasks of more than this many tables x devices (each
+            heuristic plans and is priced there; None: never skip).
     """
 
     #: cost models of pooled kernels; splits columns and rows
@@ -482,12 +496,27 @@ class NeuroShardSharder(GuardSlot):
         beam_max_pieces: int | None = BEAM_MAX_PIECES,
         split_above: float | None = SPLIT_ABOVE,
         split_check: str | None = "analytic",
+        floor: Sequence[str] | None = DEFAULT_HEURISTICS,
+        floor_margin: float = 0.0,
+        floor_max_work: int | None = FLOOR_MAX_WORK,
     ):
         if split_above is not None and (isinstance(split_above, bool) or not isinstance(split_above, (int, float))
                                         or not np.isfinite(split_above) or split_above <= 0):
             raise InputError(f"neuroshard: split_above must be a positive number or null, got {split_above!r}")
         if split_check not in SPLIT_CHECKS:
             raise InputError(f"neuroshard: split_check must be analytic or null, got {split_check!r}")
+        self.floor = tuple(floor or ())
+        known = heuristic_sharders()
+        if isinstance(floor, str) or [h for h in self.floor if h not in known]:
+            raise InputError(f"neuroshard: floor must list heuristics of {sorted(known)}, got {floor!r}")
+        if (isinstance(floor_margin, bool) or not isinstance(floor_margin, (int, float))
+                or not 0 <= floor_margin < 1):
+            raise InputError(f"neuroshard: floor_margin must be a number in [0, 1), got {floor_margin!r}")
+        self.floor_margin = float(floor_margin)
+        if floor_max_work is not None and (isinstance(floor_max_work, bool) or int(floor_max_work) < 1):
+            raise InputError(f"neuroshard: floor_max_work must be >= 1 or null, got {floor_max_work!r}")
+        self.floor_max_work = None if floor_max_work is None else int(floor_max_work)
+        self.last_floor: dict[str, Any] | None = None
         self.split_above = None if split_above is None else float(split_above)
         self.split_check = split_check
         if trace_histograms not in TRACE_HISTOGRAMS:
@@ -595,7 +624,7 @@ class NeuroShardSharder(GuardSlot):
         found = search.candidate_plans(self.name)
         for plan, _ in found:
             validate(task, plan)
-        plan = found[0][0]
+        plan = self._floored(task, found[0][0])
         self.last_search_pick = plan
         self.last_guard = None
         k = self.guard_count("neuroshard")
@@ -604,6 +633,8 @@ class NeuroShardSharder(GuardSlot):
         self.last_search_seconds = time.perf_counter() - start
         # beam false: the task was over beam_max_work (table-wise grid and memory-forced splits only)
         self.last_search_info = {**self.models().info, "beam": search.beam_ran}
+        if self.last_floor is not None:
+            self.last_search_info["floor"] = self.last_floor
         if search.costly_split is not None:  # the beam did not run and the costliest tables were cut
             self.last_search_info["costly_split"] = search.costly_split
         fallbacks = search.sim.predictor.fallbacks if isinstance(search.sim.predictor, BatchCostModels) else None
@@ -625,6 +656,36 @@ class NeuroShardSharder(GuardSlot):
         log.debug("neuroshard %s: %.1f ms predicted, %s", task.name, self.last_predicted_cost_ms, self.last_stats)
         return plan
 
+
+    def _floored(self, task: Task, plan: Plan) -> Plan:
+        """`plan` (the search's pick), or the cheapest `floor` heuristic's plan where the
+        search's models price `plan` above (1 - floor_margin) x that plan's (`floor`); what was
+        done in `last_floor` (None: off)."""
+        self.last_floor = None
+        if not self.floor:
+            return plan
+        pairs = len(task.tables) * task.num_devices
+        if self.floor_max_work is not None and pairs > self.floor_max_work:
+            self.last_floor = {"skipped": f"{len(task.tables)} tables x {task.num_devices} devices = {pairs} "
+                                          f"> floor_max_work {self.floor_max_work}"}
+            return plan
+        own = self.predicted_costs(task, plan).plan_cost_ms
+        plans, skipped = heuristic_plans(self.floor, task, self.name)
+        priced = {h: self.predicted_costs(task, hp).plan_cost_ms for h, hp in plans.items()}
+        info: dict[str, Any] = {"search_ms": round(own, 4), "heuristics_ms": {h: round(v, 4) for h, v in priced.items()},
+                                "margin": self.floor_margin, "kept": "search"}
+        if skipped:
+            info["no_plan"] = skipped
+        self.last_floor = info
+        if not priced:
+            return plan
+        best = min(priced, key=lambda h: (priced[h], list(priced).index(h)))
+        if own <= (1 - self.floor_margin) * priced[best]:
+            return plan
+        info["kept"] = best
+        log.info("%s %s: the search's pick is predicted %.4g ms, %s's plan %.4g ms: returning %s's", self.name,
+                 task.name, own, best, priced[best], best)
+        return Plan(task.name, self.name, list(plans[best].shards))
 
     def _guard(self, task: Task, found: list[tuple[Plan, float]], start: float) -> Plan:
         """The measured guard (`MeasuredGuard`) on the search's best plans, labelled

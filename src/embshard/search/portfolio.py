@@ -41,6 +41,7 @@ from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities, Sharder
 from embshard.search.constrained import shard_constrained
 from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_sharders
+from embshard.search.neuroshard import NeuroShardSharder
 from embshard.search.refine import MeasuredRefinement
 from embshard.search.simulator import Simulator, batch_ratio
 from embshard.task import Task
@@ -65,11 +66,10 @@ _FORKED: tuple[Any, Task, CostModel] | None = None
 def default_members() -> dict[str, Sharder]:
     """NeuroShard (its guard off), DreamShard and AutoShard (shipped checkpoints, their
     conf/search defaults) and the six heuristics."""
-    from embshard.search.neuroshard import NeuroShardSharder
     from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
 
     out: dict[str, Sharder] = {
-        "neuroshard": NeuroShardSharder(verify=0),
+        "neuroshard": NeuroShardSharder(verify=0, floor=()),
         "dreamshard": DreamShardSharder("checkpoints/dreamshard_cpu/policy.pt", samples=8, split_columns=True,
                                         split_judge=DEFAULT_CHECKPOINT, judge_samples=True),
         "autoshard": AutoShardSharder("checkpoints/autoshard_cpu/policy.pt", samples=8, split_columns=True,
@@ -135,6 +135,8 @@ class PortfolioSharder(GuardSlot):
         for member, sharder in self.members.items():
             if not isinstance(sharder, Sharder):
                 raise InputError(f"{name}: member {member!r} is not a planner (a Sharder), got {type(sharder).__name__}")
+            if isinstance(sharder, NeuroShardSharder):  # its floor off: the ranking prices the heuristics' plans itself
+                sharder.floor = ()
         self.ranker = None if ranker in (None, "") else str(ranker)
         if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             raise InputError(f"{name}: workers must be a positive integer or 'auto', got {workers!r}")

@@ -1,0 +1,97 @@
+"""User-style tasks with heavy-tailed pooling factors, small enough to measure on a 2-core CPU
+(task files for shard.py; a benchmark input, not a test).
+
+    python scripts/heavy_tasks.py --out experiments/heavy/tasks --num-tasks 60 --seed 632
+    python scripts/heavy_tasks.py --out experiments/heavy/tasks --only-floor-changes      # those NeuroShard's floor changes
+
+A task: 30-80 tables by rows, dim and pooling factor only (no reuse histograms, no traces, as a
+user gives them): rows log-uniform in [1e3, 5e6], dims from {8, 16, ..., 256}, pooling factor
+1 + Pareto(1.2) capped at 300 (most tables pool 1-3 ids, a few tens to hundreds); 2, 4 or 8
+devices; batch 2048, 8192 or 32768; memory per device 1.3x an even share of the tables' memory
+(at least 1.05x the largest table). Where the lookups would exceed 6 million per device per step,
+every pooling factor is scaled down (at least 1), which keeps a plan's measurement here to seconds.
+
+`--only-floor-changes` writes only the tasks on which NeuroShard's heuristic floor (`floor`,
+conf/search/neuroshard.yaml) returns another plan than its search's pick (planned twice, with and
+without it; nothing is measured), and prints each with its predicted costs: the tasks a measured
+comparison of the floor needs (every other task gets the same plan either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from embshard import Table, Task
+
+DIMS = (8, 16, 32, 64, 128, 256)
+MAX_LOOKUPS_PER_DEVICE = 6e6
+
+
+def heavy_task(rng: np.random.Generator, name: str) -> Task:
+    """One task of the module docstring, drawn from `rng` in a fixed order."""
+    n = int(rng.integers(30, 81))
+    devices = int(rng.choice([2, 4, 8]))
+    batch = int(rng.choice([2048, 8192, 32768]))
+    tables = []
+    for k in range(n):
+        rows = int(np.exp(rng.uniform(np.log(1e3), np.log(5e6))))
+        dim = int(rng.choice(DIMS))
+        tables.append(Table(f"h{k}", rows, dim, round(float(min(300.0, rng.pareto(1.2) + 1.0)), 3)))
+    lookups = sum(t.pooling_factor for t in tables) * batch
+    if lookups / devices > MAX_LOOKUPS_PER_DEVICE:
+        s = MAX_LOOKUPS_PER_DEVICE * devices / lookups
+        tables = [Table(t.name, t.rows, t.dim, round(max(1.0, t.pooling_factor * s), 3)) for t in tables]
+    probe = Task("probe", devices, 1 << 50, batch, tuple(tables))
+    need = [probe.table_memory_bytes(t) for t in tables]
+    memory = int(max(1.3 * sum(need) / devices, 1.05 * max(need)))
+    return Task(name, devices, memory, batch, tuple(tables))
+
+
+def write_json(path: Path, data: dict) -> None:
+    """`data` to `path` through a temp file and a rename (nothing half-written)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder of task files (created)")
+    ap.add_argument("--num-tasks", type=int, default=60)
+    ap.add_argument("--seed", type=int, default=632)
+    ap.add_argument("--only-floor-changes", action="store_true",
+                    help="write only the tasks where NeuroShard's floor changes its plan")
+    args = ap.parse_args()
+    if args.num_tasks < 1:
+        ap.error(f"--num-tasks must be >= 1, got {args.num_tasks}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(args.seed)
+    if args.only_floor_changes:
+        from embshard.search.neuroshard import NeuroShardSharder
+
+        floored, searched = NeuroShardSharder(verify=0), NeuroShardSharder(verify=0, floor=())
+    written = 0
+    for i in range(args.num_tasks):
+        task = heavy_task(rng, f"heavy-{args.seed}-{i:03d}")
+        if args.only_floor_changes:
+            a, b = floored.shard(task), searched.shard(task)
+            if a.signature() == b.signature():
+                continue
+            f = floored.last_search_info["floor"]
+            print(f"{task.name} ({len(task.tables)} tables x {task.num_devices}, batch {task.batch_size}): search "
+                  f"{f['search_ms']:.2f} ms predicted, {f['kept']} {f['heuristics_ms'][f['kept']]:.2f} ms", flush=True)
+        write_json(out / f"{task.name}.json", task.to_dict())
+        written += 1
+    print(f"wrote {written} task(s) to {out}")
+
+
+if __name__ == "__main__":
+    main()
