@@ -95,7 +95,8 @@ def test_the_floor_is_skipped_above_its_work_and_off_when_empty():
     ({"floor_margin": 1.0}, "floor_margin must be a number in [0, 1)"),
     ({"floor_margin": -0.1}, "floor_margin must be a number in [0, 1)"),
     ({"floor_margin": True}, "floor_margin must be a number in [0, 1)"),
-    ({"floor_max_work": 0}, "floor_max_work must be >= 1 or null"),
+    ({"floor_max_work": 0}, "floor_max_work must be an integer >= 1 or null"),
+    ({"floor_max_work": "many"}, "floor_max_work must be an integer >= 1 or null"),
 ])
 def test_bad_floor_settings_are_one_line_errors(kw, text):
     with pytest.raises(InputError) as e:

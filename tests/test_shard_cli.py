@@ -97,6 +97,9 @@ def test_infeasible_task_is_reported_not_dropped(tmp_path):
         ('{"name": "x", "num_devices": 2, "device_memory_bytes": 9999, "batch_size": 1, "tables": [{"name": "a", "rows": 3, "dim": 5, "pooling_factor": 1}]}', [], "multiple of 4", False),
         ("VALID", ["algorithms=[size_greedy,nope]"], "unknown algorithm", False),
         ("VALID", ["evaluate=sometimes"], "evaluate must be", False),
+        # a planner's own setting, refused in its __init__ (Hydra wraps it: exit 1 and 5 lines before)
+        ("VALID", ["algorithms=[neuroshard]", "searchers.neuroshard.floor_margin=2"], "floor_margin must be", False),
+        ("VALID", ["algorithms=[neuroshard]", "searchers.neuroshard.split_above=-1"], "split_above must be", False),
     ],
 )
 def test_bad_input_one_line_error_exit_2_nothing_written(tmp_path, content, overrides, message, process,

@@ -16,14 +16,32 @@ T = TypeVar("T")
 
 def one_line_errors(run: Callable[[Any], T], cfg: Any) -> T:
     """Call `run(cfg)`; an error the user caused prints `error: <first line>` and exits 2."""
+    from hydra.errors import InstantiationException
+
     try:
         return run(cfg)
-    except (EmbshardError, MissingMandatoryValue) as e:
+    except (EmbshardError, MissingMandatoryValue, InstantiationException) as e:
+        cause = user_error(e)
+        if cause is None:  # Hydra could not build an object for another reason: not the user's setting
+            raise
         # one write, not print's two (text, then newline): ranks of a torchrun share stderr, and
         # two writes each let their lines interleave
-        sys.stderr.write(f"error: {str(e).splitlines()[0]}\n")
+        sys.stderr.write(f"error: {str(cause).splitlines()[0]}\n")
         sys.stderr.flush()
         sys.exit(2)
+
+
+def user_error(e: BaseException) -> BaseException | None:
+    """`e` when the user caused it; for Hydra's InstantiationException (a planner's or model's
+    `__init__` refused a setting, `searchers.neuroshard.floor_margin=2`), the EmbshardError it
+    wraps; else None."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (EmbshardError, MissingMandatoryValue)):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def refuse_unknown_keys(argv: Sequence[str], config_dir: Path, config_name: str, entry: str) -> None:

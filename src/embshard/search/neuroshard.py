@@ -513,8 +513,9 @@ class NeuroShardSharder(GuardSlot):
                 or not 0 <= floor_margin < 1):
             raise InputError(f"neuroshard: floor_margin must be a number in [0, 1), got {floor_margin!r}")
         self.floor_margin = float(floor_margin)
-        if floor_max_work is not None and (isinstance(floor_max_work, bool) or int(floor_max_work) < 1):
-            raise InputError(f"neuroshard: floor_max_work must be >= 1 or null, got {floor_max_work!r}")
+        if floor_max_work is not None and (isinstance(floor_max_work, bool) or not isinstance(floor_max_work, int)
+                                           or floor_max_work < 1):
+            raise InputError(f"neuroshard: floor_max_work must be an integer >= 1 or null, got {floor_max_work!r}")
         self.floor_max_work = None if floor_max_work is None else int(floor_max_work)
         self.last_floor: dict[str, Any] | None = None
         self.split_above = None if split_above is None else float(split_above)
@@ -679,7 +680,7 @@ class NeuroShardSharder(GuardSlot):
         self.last_floor = info
         if not priced:
             return plan
-        best = min(priced, key=lambda h: (priced[h], list(priced).index(h)))
+        best = min(priced, key=priced.get)  # the first listed among equals
         if own <= (1 - self.floor_margin) * priced[best]:
             return plan
         info["kept"] = best
