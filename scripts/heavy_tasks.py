@@ -12,17 +12,15 @@ devices; batch 2048, 8192 or 32768; memory per device 1.3x an even share of the 
 every pooling factor is scaled down (at least 1), which keeps a plan's measurement here to seconds.
 
 `--only-floor-changes` writes only the tasks on which NeuroShard's heuristic floor (`floor`,
-conf/search/neuroshard.yaml) returns another plan than its search's pick (planned twice, with and
-without it; nothing is measured), and prints each with its predicted costs: the tasks a measured
-comparison of the floor needs (every other task gets the same plan either way).
+conf/search/neuroshard.yaml) returns another plan than its search's pick (where
+`search_info.floor` kept a heuristic's plan; nothing is measured), and prints each with its
+predicted costs: the tasks a measured comparison of the floor needs (every other task gets the
+same plan either way).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -53,14 +51,6 @@ def heavy_task(rng: np.random.Generator, name: str) -> Task:
     return Task(name, devices, memory, batch, tuple(tables))
 
 
-def write_json(path: Path, data: dict) -> None:
-    """`data` to `path` through a temp file and a rename (nothing half-written)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder of task files (created)")
@@ -77,18 +67,18 @@ def main() -> None:
     if args.only_floor_changes:
         from embshard.search.neuroshard import NeuroShardSharder
 
-        floored, searched = NeuroShardSharder(verify=0), NeuroShardSharder(verify=0, floor=())
+        floored = NeuroShardSharder(verify=0)
     written = 0
     for i in range(args.num_tasks):
         task = heavy_task(rng, f"heavy-{args.seed}-{i:03d}")
         if args.only_floor_changes:
-            a, b = floored.shard(task), searched.shard(task)
-            if a.signature() == b.signature():
-                continue
+            floored.shard(task)
             f = floored.last_search_info["floor"]
+            if f.get("kept", "search") == "search":  # the search's pick (or the floor skipped)
+                continue
             print(f"{task.name} ({len(task.tables)} tables x {task.num_devices}, batch {task.batch_size}): search "
                   f"{f['search_ms']:.2f} ms predicted, {f['kept']} {f['heuristics_ms'][f['kept']]:.2f} ms", flush=True)
-        write_json(out / f"{task.name}.json", task.to_dict())
+        task.save(out / f"{task.name}.json")
         written += 1
     print(f"wrote {written} task(s) to {out}")
 

@@ -64,12 +64,12 @@ _FORKED: tuple[Any, Task, CostModel] | None = None
 
 
 def default_members() -> dict[str, Sharder]:
-    """NeuroShard (its guard off), DreamShard and AutoShard (shipped checkpoints, their
+    """NeuroShard (its guard off; its floor `PortfolioSharder` turns off), DreamShard and AutoShard (shipped checkpoints, their
     conf/search defaults) and the six heuristics."""
     from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
 
     out: dict[str, Sharder] = {
-        "neuroshard": NeuroShardSharder(verify=0, floor=()),
+        "neuroshard": NeuroShardSharder(verify=0),
         "dreamshard": DreamShardSharder("checkpoints/dreamshard_cpu/policy.pt", samples=8, split_columns=True,
                                         split_judge=DEFAULT_CHECKPOINT, judge_samples=True),
         "autoshard": AutoShardSharder("checkpoints/autoshard_cpu/policy.pt", samples=8, split_columns=True,

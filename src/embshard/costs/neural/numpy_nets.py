@@ -70,9 +70,8 @@ class NumpyComputeNet:
 
     def head(self, pooled: np.ndarray) -> np.ndarray:
         """[n] ms of shards from their summed encodings [n, R + E]."""
-        pooled = np.asarray(pooled, np.float64)
-        b = self._multipliers(pooled[:, NUM_RATES:])
-        return (pooled[:, :NUM_RATES] * b[:, :-1]).sum(1) + self.base_ms * b[:, -1]
+        parts, base = self.head_parts(pooled)
+        return parts.sum(1) + base
 
     def head_parts(self, pooled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`head` before its sum: [n, R] ms per kind of work (terms x their context's
