@@ -48,7 +48,7 @@ def test_the_pick_is_never_priced_above_a_heuristics_plan_where_the_search_ends_
     validate(tight, plan)
     info = floored.last_search_info["floor"]
     priced = info["heuristics_ms"]
-    assert set(priced) == set(floored.floor)
+    assert set(priced) == set(floored.floor.heuristics)
     # the precondition that makes this task a test: the search alone ends above a heuristic
     assert searched.predicted_costs(tight, alone).plan_cost_ms > min(priced.values()) * 1.01
     assert info["kept"] == min(priced, key=priced.get)
@@ -73,7 +73,7 @@ def test_the_search_keeps_its_pick_where_it_is_cheaper_and_a_margin_gives_it_up(
     wide = NeuroShardSharder(verify=0, floor_margin=0.99)
     got = wide.shard(task)
     kept = wide.last_search_info["floor"]["kept"]
-    assert kept in wide.floor
+    assert kept in wide.floor.heuristics
     hp, _ = heuristic_plans([kept], task, "test")
     assert got.signature() == hp[kept].signature()
 
@@ -108,4 +108,4 @@ def test_the_portfolio_turns_its_neuroshard_members_floor_off():
     member = NeuroShardSharder(verify=0)
     assert member.floor
     PortfolioSharder(members={"neuroshard": member}, verify=0)
-    assert member.floor == ()
+    assert not member.floor and member.floor.heuristics == ()

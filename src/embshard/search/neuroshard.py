@@ -70,8 +70,8 @@ from embshard.plan import Plan, even_row_layout, validate
 from embshard.search.base import Capabilities
 from embshard.search.greedy import (DEFAULT_CAPS, GRID_MAX_WORK, INCREMENTAL_MIN_DEVICES, MAX_CANDIDATE_DEVICES,
                                     Candidate, GreedyPartitioner, GreedyResult)
-from embshard.search.guard import (DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_plans,
-                                   heuristic_sharders)
+from embshard.search.floor import FLOOR_MAX_WORK, HeuristicFloor
+from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_sharders
 from embshard.search.pieces import (FREE, PieceBook, PieceSpec, halvable, halve, initial_state, row_split,
                                     row_splittable, slices_below)
 from embshard.search.refine import MeasuredRefinement
@@ -86,9 +86,6 @@ BEAM_MAX_PIECES = 64
 #: without the beam, pieces predicted dearer alone than this many even shares are cut (`split_above`)
 SPLIT_ABOVE = 1.0
 SPLIT_CHECKS = ("analytic", None)
-#: the floor (`floor`) runs on tasks of at most this many tables x devices: 856 x 128 is 109,568
-#: (each heuristic plans and is priced in well under a second there); 5,384 x 1,024 is 5.5 million
-FLOOR_MAX_WORK = 2_000_000
 
 __all__ = ["BEAM_MAX_PIECES", "BUILD_COMMAND", "Candidate", "DEFAULT_CAPS", "DEFAULT_CHECKPOINT", "GreedyResult", "GuardResult",
            "INCREMENTAL_MIN_DEVICES", "NeuroShardSearch", "NeuroShardSharder", "ROOT", "halve", "heuristic_sharders",
@@ -505,18 +502,7 @@ class NeuroShardSharder(GuardSlot):
             raise InputError(f"neuroshard: split_above must be a positive number or null, got {split_above!r}")
         if split_check not in SPLIT_CHECKS:
             raise InputError(f"neuroshard: split_check must be analytic or null, got {split_check!r}")
-        self.floor = tuple(floor or ())
-        known = heuristic_sharders()
-        if isinstance(floor, str) or [h for h in self.floor if h not in known]:
-            raise InputError(f"neuroshard: floor must list heuristics of {sorted(known)}, got {floor!r}")
-        if (isinstance(floor_margin, bool) or not isinstance(floor_margin, (int, float))
-                or not 0 <= floor_margin < 1):
-            raise InputError(f"neuroshard: floor_margin must be a number in [0, 1), got {floor_margin!r}")
-        self.floor_margin = float(floor_margin)
-        if floor_max_work is not None and (isinstance(floor_max_work, bool) or not isinstance(floor_max_work, int)
-                                           or floor_max_work < 1):
-            raise InputError(f"neuroshard: floor_max_work must be an integer >= 1 or null, got {floor_max_work!r}")
-        self.floor_max_work = None if floor_max_work is None else int(floor_max_work)
+        self.floor = HeuristicFloor(floor, floor_margin, floor_max_work, owner="neuroshard")
         self.last_floor: dict[str, Any] | None = None
         self.split_above = None if split_above is None else float(split_above)
         self.split_check = split_check
@@ -660,33 +646,11 @@ class NeuroShardSharder(GuardSlot):
 
     def _floored(self, task: Task, plan: Plan) -> Plan:
         """`plan` (the search's pick), or the cheapest `floor` heuristic's plan where the
-        search's models price `plan` above (1 - floor_margin) x that plan's (`floor`); what was
-        done in `last_floor` (None: off)."""
-        self.last_floor = None
-        if not self.floor:
-            return plan
-        pairs = len(task.tables) * task.num_devices
-        if self.floor_max_work is not None and pairs > self.floor_max_work:
-            self.last_floor = {"skipped": f"{len(task.tables)} tables x {task.num_devices} devices = {pairs} "
-                                          f"> floor_max_work {self.floor_max_work}"}
-            return plan
-        own = self.predicted_costs(task, plan).plan_cost_ms
-        plans, skipped = heuristic_plans(self.floor, task, self.name)
-        priced = {h: self.predicted_costs(task, hp).plan_cost_ms for h, hp in plans.items()}
-        info: dict[str, Any] = {"search_ms": round(own, 4), "heuristics_ms": {h: round(v, 4) for h, v in priced.items()},
-                                "margin": self.floor_margin, "kept": "search"}
-        if skipped:
-            info["no_plan"] = skipped
-        self.last_floor = info
-        if not priced:
-            return plan
-        best = min(priced, key=priced.get)  # the first listed among equals
-        if own <= (1 - self.floor_margin) * priced[best]:
-            return plan
-        info["kept"] = best
-        log.info("%s %s: the search's pick is predicted %.4g ms, %s's plan %.4g ms: returning %s's", self.name,
-                 task.name, own, best, priced[best], best)
-        return Plan(task.name, self.name, list(plans[best].shards))
+        search's models price `plan` above it (`embshard.search.floor`); what was done in
+        `last_floor` (None: off)."""
+        plan, self.last_floor = self.floor.apply(task, plan, lambda p: self.predicted_costs(task, p).plan_cost_ms,
+                                                 self.name)
+        return plan
 
     def _guard(self, task: Task, found: list[tuple[Plan, float]], start: float) -> Plan:
         """The measured guard (`MeasuredGuard`) on the search's best plans, labelled

@@ -40,9 +40,11 @@ from embshard.errors import EmbshardError, InfeasibleError, InputError
 from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities, Sharder
 from embshard.search.constrained import shard_constrained
+from embshard.search.floor import HeuristicFloor
 from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard, heuristic_sharders
 from embshard.search.neuroshard import NeuroShardSharder
 from embshard.search.refine import MeasuredRefinement
+from embshard.search.rl.sharders import RLSharder
 from embshard.search.simulator import Simulator, batch_ratio
 from embshard.task import Task
 
@@ -64,8 +66,8 @@ _FORKED: tuple[Any, Task, CostModel] | None = None
 
 
 def default_members() -> dict[str, Sharder]:
-    """NeuroShard (its guard off; its floor `PortfolioSharder` turns off), DreamShard and AutoShard (shipped checkpoints, their
-    conf/search defaults) and the six heuristics."""
+    """NeuroShard (its guard off), DreamShard and AutoShard (shipped checkpoints, their conf/search
+    defaults; `PortfolioSharder` turns the three's floors off) and the six heuristics."""
     from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
 
     out: dict[str, Sharder] = {
@@ -135,8 +137,8 @@ class PortfolioSharder(GuardSlot):
         for member, sharder in self.members.items():
             if not isinstance(sharder, Sharder):
                 raise InputError(f"{name}: member {member!r} is not a planner (a Sharder), got {type(sharder).__name__}")
-            if isinstance(sharder, NeuroShardSharder):  # its floor off: the ranking prices the heuristics' plans itself
-                sharder.floor = ()
+            if isinstance(sharder, (NeuroShardSharder, RLSharder)):
+                sharder.floor = HeuristicFloor(None)  # off: the ranking prices the heuristics' plans itself
         self.ranker = None if ranker in (None, "") else str(ranker)
         if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             raise InputError(f"{name}: workers must be a positive integer or 'auto', got {workers!r}")

@@ -47,6 +47,7 @@ from embshard.hardware.protocol import torch_threads
 from embshard.plan import Plan, validate
 from embshard.search.base import Capabilities
 from embshard.search.constrained import SLICE_MARK, Reduction, expand
+from embshard.search.floor import FLOOR_MAX_WORK, HeuristicFloor
 from embshard.search.guard import DEFAULT_HEURISTICS, GuardResult, GuardSlot, MeasuredGuard
 from embshard.search.pieces import slices_below
 from embshard.search.rl.checkpoint import load_checkpoint, resolve_path
@@ -90,6 +91,11 @@ class RLSharder(GuardSlot):
         verify_heuristics, verify_visits, verify_budget_s, verify_min_rounds,
             verify_max_rounds, verify_contenders, verify_margin, verify_interval,
             verify_search_contenders: the guard's settings, as NeuroShard's (`MeasuredGuard`).
+        floor, floor_margin, floor_max_work: the heuristic floor (`embshard.search.floor`), as
+            NeuroShard's: the split_judge prices the pick and the heuristics' plans, and the pick
+            is returned only where predicted at or below (1 - floor_margin) x the cheapest, else
+            that plan; without a split_judge it is skipped (report.json: `search_info.floor`).
+            The guard, when it runs, measures the policy's own plans as before.
     """
 
     algorithm = "rl"
@@ -106,7 +112,8 @@ class RLSharder(GuardSlot):
                  verify_heuristics: Sequence[str] = DEFAULT_HEURISTICS, verify_visits: int | None = None,
                  verify_budget_s: float = 60.0, verify_min_rounds: int = 3, verify_max_rounds: int = 10,
                  verify_contenders: int = 2, verify_margin: float = 0.1, verify_interval: str = "bootstrap",
-                 verify_search_contenders: int = 1):
+                 verify_search_contenders: int = 1, floor: Sequence[str] | None = None,
+                 floor_margin: float = 0.0, floor_max_work: int | None = FLOOR_MAX_WORK):
         if int(samples) < 0:
             raise InputError(f"{self.algorithm}: samples must be >= 0, got {samples!r}")
         self.check_verify(verify, self.algorithm)
@@ -115,6 +122,8 @@ class RLSharder(GuardSlot):
                                    verify_max_rounds, verify_contenders, verify_margin,
                                    owner=name or self.algorithm, interval=verify_interval,
                                    search_contenders=verify_search_contenders)
+        self.floor = HeuristicFloor(floor, floor_margin, floor_max_work, owner=name or self.algorithm)
+        self.last_floor: dict[str, Any] | None = None
         self.evaluator: Any = None
         self.last_guard: GuardResult | None = None
         self.last_search_pick: Plan | None = None
@@ -167,11 +176,13 @@ class RLSharder(GuardSlot):
             if self.split_columns:
                 plan, estimate_ms, split = self._split_plan(agent, task, samples, weighed, plan, estimate_ms, judged)
         validate(task, plan)
+        pick, pick_ms = plan, estimate_ms
+        plan, estimate_ms = self._floored(agent, task, pick, pick_ms, weighed)
         self.last_search_pick = plan
         self.last_guard = None
         self.last_weighed = weighed
-        if k > 0:
-            plan, estimate_ms = self._guard(agent, task, plan, estimate_ms, weighed, k)
+        if k > 0:  # the guard measures the policy's own plans (its pick before the floor first)
+            plan, estimate_ms = self._guard(agent, task, pick, pick_ms, weighed, k)
         self.last_search_seconds = time.perf_counter() - start
         estimate = self.trusted_estimate(task, plan, estimate_ms)
         self.last_predicted_cost_ms = estimate["ms"]
@@ -181,6 +192,8 @@ class RLSharder(GuardSlot):
                                  "samples_requested": self.samples, "estimate": estimate}
         if judged is not None:
             self.last_search_info["judged_samples"] = judged
+        if self.last_floor is not None:
+            self.last_search_info["floor"] = self.last_floor
         if split is not None:
             self.last_search_info["column_split"] = split
         if samples < self.samples:
@@ -216,15 +229,37 @@ class RLSharder(GuardSlot):
             (lambda p: float(judge.device_costs(task, p).plan_cost_ms)) if judge is not None else (lambda p: None),
             self.name)
         validate(task, plan)
+        return plan, self._agent_estimate(agent, task, plan, [(pick, estimate_ms, None), *weighed])
+
+    def _agent_estimate(self, agent: Any, task: Task, plan: Plan, weighed: Sequence[Weighed]) -> float:
+        """The agent's estimate of `plan`: the one recorded where `weighed` holds it; a
+        heuristic's whole-table plan replayed as an episode; NaN for any other plan."""
         sig = plan.signature()
-        known = [est for p, est, _ in ((pick, estimate_ms, None), *weighed) if p.signature() == sig]
+        known = [est for p, est, _ in weighed if p.signature() == sig]
         if known:
-            return plan, known[0]
-        # a heuristic's plan: the agent replays it as an episode (whole tables, one device each)
+            return known[0]
         if len({s.table for s in plan.shards}) == len(plan.shards):
             with torch_threads(self.num_threads):
-                return plan, agent.estimate_plan(task, plan)
-        return plan, float("nan")
+                return agent.estimate_plan(task, plan)
+        return float("nan")
+
+    def _floored(self, agent: Any, task: Task, pick: Plan, estimate_ms: float,
+                 weighed: Sequence[Weighed]) -> tuple[Plan, float]:
+        """The heuristic floor (`embshard.search.floor`) on the pick, priced by the split_judge;
+        (plan, the agent's estimate of it); what was done in `last_floor` (None: off)."""
+        self.last_floor = None
+        if not self.floor:
+            return pick, estimate_ms
+        if self.split_judge is None:
+            self.last_floor = {"skipped": "no split_judge to price the plans with"}
+            return pick, estimate_ms
+        judge = self._judge_model()
+        plan, self.last_floor = self.floor.apply(task, pick, lambda p: float(judge.device_costs(task, p).plan_cost_ms),
+                                                 self.name)
+        if plan is pick:
+            return pick, estimate_ms
+        validate(task, plan)
+        return plan, self._agent_estimate(agent, task, plan, weighed)
 
     def _judges_samples(self, samples: int) -> bool:
         return self.judge_samples and self.split_judge is not None and samples > 0
@@ -352,7 +387,8 @@ class RLSharder(GuardSlot):
                  f"trained on {self._trained()}")
         if not math.isfinite(network_ms):
             return {"ms": float(ref), "of": of, "source": "analytic",
-                    "reason": "the guard kept a plan the policy did not place, which its cost network cannot replay"}
+                    "reason": "the plan returned (the guard's or the floor's) is one the policy did not place and its "
+                    "cost network cannot replay"}
         outside = self._outside_training(task)
         if outside:
             return {"ms": float(ref), "of": of, "source": "analytic",
