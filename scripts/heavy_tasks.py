@@ -3,6 +3,7 @@
 
     python scripts/heavy_tasks.py --out experiments/heavy/tasks --num-tasks 60 --seed 632
     python scripts/heavy_tasks.py --out experiments/heavy/tasks --only-floor-changes      # those NeuroShard's floor changes
+    python scripts/heavy_tasks.py --out experiments/heavy/vetoes --num-tasks 1000 --seed 642 --only-split-vetoes
 
 A task: 30-80 tables by rows, dim and pooling factor only (no reuse histograms, no traces, as a
 user gives them): rows log-uniform in [1e3, 5e6], dims from {8, 16, ..., 256}, pooling factor
@@ -16,6 +17,12 @@ conf/search/neuroshard.yaml) returns another plan than its search's pick (where
 `search_info.floor` kept a heuristic's plan; nothing is measured), and prints each with its
 predicted costs: the tasks a measured comparison of the floor needs (every other task gets the
 same plan either way).
+
+`--only-split-vetoes` writes only the tasks on which the analytic check (`split_check=analytic`,
+NeuroShard's default until 2026-12-03) turns down the cut of the costliest tables that NeuroShard's
+models predict cheaper (`search_info.costly_split`: above the beam's bounds, so tasks of more than
+64 tables), and prints both models' cut / uncut ratios: the tasks where that check and its absence
+(the default since) plan differently.
 """
 
 from __future__ import annotations
@@ -58,7 +65,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=632)
     ap.add_argument("--only-floor-changes", action="store_true",
                     help="write only the tasks where NeuroShard's floor changes its plan")
+    ap.add_argument("--only-split-vetoes", action="store_true",
+                    help="write only the tasks where split_check=analytic turns down NeuroShard's costliest cut")
     args = ap.parse_args()
+    if args.only_floor_changes and args.only_split_vetoes:
+        ap.error("--only-floor-changes and --only-split-vetoes select different tasks; give one")
     if args.num_tasks < 1:
         ap.error(f"--num-tasks must be >= 1, got {args.num_tasks}")
     out = Path(args.out)
@@ -68,6 +79,10 @@ def main() -> None:
         from embshard.search.neuroshard import NeuroShardSharder
 
         floored = NeuroShardSharder(verify=0)
+    if args.only_split_vetoes:
+        from embshard.search.neuroshard import NeuroShardSharder
+
+        checked = NeuroShardSharder(verify=0, split_check="analytic")
     written = 0
     for i in range(args.num_tasks):
         task = heavy_task(rng, f"heavy-{args.seed}-{i:03d}")
@@ -78,6 +93,16 @@ def main() -> None:
                 continue
             print(f"{task.name} ({len(task.tables)} tables x {task.num_devices}, batch {task.batch_size}): search "
                   f"{f['search_ms']:.2f} ms predicted, {f['kept']} {f['heuristics_ms'][f['kept']]:.2f} ms", flush=True)
+        if args.only_split_vetoes:
+            if len(task.tables) <= 64:  # the beam runs (beam_max_pieces): no costliest cut to check
+                continue
+            checked.shard(task)
+            c = checked.last_search_info.get("costly_split")
+            if not c or c["kept"] or "analytic_ms" not in c:  # not tried, kept, or dearer by the models
+                continue
+            (uncut, cut), (a_uncut, a_cut) = c["predicted_ms"], c["analytic_ms"]
+            print(f"{task.name} ({len(task.tables)} tables x {task.num_devices}, batch {task.batch_size}): cut / uncut "
+                  f"{cut / uncut:.3f} by NeuroShard's models, {a_cut / a_uncut:.3f} by the analytic model", flush=True)
         task.save(out / f"{task.name}.json")
         written += 1
     print(f"wrote {written} task(s) to {out}")
