@@ -113,3 +113,12 @@ def test_the_guard_measures_the_policys_own_pick_not_the_floors_plan(task):
     # round 1 measured the policy's pick as dreamshard#1, and the guard kept it (measured cheapest)
     assert measurer.first[0] == pick.signature()
     assert guarded.last_guard.chosen == "dreamshard#1" and plan.signature() == pick.signature()
+
+
+@pytest.mark.parametrize("algorithm", ["dreamshard", "autoshard"])
+def test_the_floor_is_on_in_the_shipped_config(algorithm):
+    from embshard.api import searcher
+
+    s = searcher(algorithm)
+    assert s.floor.heuristics == DEFAULT_HEURISTICS and s.split_judge is not None
+    assert not searcher(algorithm, floor=[]).floor
