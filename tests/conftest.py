@@ -9,6 +9,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def heavy_task(seed: int, index: int):
+    """Task `index` of `scripts/heavy_tasks.py --seed <seed>` (the script's draws, in its order)."""
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("heavy_tasks", ROOT / "scripts" / "heavy_tasks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rng = np.random.default_rng(seed)
+    for i in range(index + 1):
+        task = mod.heavy_task(rng, f"heavy-{seed}-{i:03d}")
+    return task
+
+
 @pytest.fixture
 def refused_in_process():
     """An entry point's run under its one-line error handler, in this process, for refusals that

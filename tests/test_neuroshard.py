@@ -432,14 +432,9 @@ def test_a_dominant_table_is_cut_by_default_where_the_analytic_model_would_turn_
     pooling 240 dearer alone than the other 76 on a device): its models put the cut 38% cheaper,
     the analytic model 9% dearer; measured, the cut plan was 0.55x the uncut one
     (docs/neuroshard.md). By default the plan cuts it and sends the slices to different devices."""
-    import importlib.util
+    from conftest import heavy_task
 
-    spec = importlib.util.spec_from_file_location("heavy_tasks", ROOT / "scripts" / "heavy_tasks.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    rng = np.random.default_rng(640)
-    for i in range(40):
-        task = mod.heavy_task(rng, f"heavy-640-{i:03d}")
+    task = heavy_task(640, 39)
     ns = NeuroShardSharder(verify=0)
     plan = ns.shard(task)
     validate(task, plan)

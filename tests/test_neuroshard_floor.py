@@ -4,33 +4,18 @@ tight memory: `scripts/heavy_tasks.py`)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-import numpy as np
 import pytest
 
+from conftest import heavy_task
 from embshard import InputError, Table, Task, validate
 from embshard.search.guard import heuristic_plans
 from embshard.search.neuroshard import NeuroShardSharder
 from embshard.search.portfolio import PortfolioSharder
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def heavy(seed: int, index: int) -> Task:
-    spec = importlib.util.spec_from_file_location("heavy_tasks", ROOT / "scripts" / "heavy_tasks.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    rng = np.random.default_rng(seed)
-    for i in range(index + 1):
-        task = mod.heavy_task(rng, f"heavy-{seed}-{i:03d}")
-    return task
-
 
 @pytest.fixture(scope="module")
 def tight() -> Task:
-    task = heavy(631, 1)  # 65 tables on 2 devices, memory 1.3x an even share
+    task = heavy_task(631, 1)  # 65 tables on 2 devices, memory 1.3x an even share
     assert (len(task.tables), task.num_devices) == (65, 2)
     return task
 

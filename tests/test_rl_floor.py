@@ -4,12 +4,9 @@ where DreamShard's policy does end above one (heavy-tailed pooling: `scripts/hea
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-import numpy as np
 import pytest
 
+from conftest import heavy_task
 from embshard import InputError, validate
 from embshard.costs.predictor import DEFAULT_CHECKPOINT
 from embshard.search.floor import HeuristicFloor
@@ -17,18 +14,12 @@ from embshard.search.guard import DEFAULT_HEURISTICS, heuristic_plans
 from embshard.search.portfolio import PortfolioSharder
 from embshard.search.rl.sharders import AutoShardSharder, DreamShardSharder
 
-ROOT = Path(__file__).resolve().parents[1]
 DREAMSHARD = "checkpoints/dreamshard_cpu/policy.pt"
 
 
 @pytest.fixture(scope="module")
 def task():
-    spec = importlib.util.spec_from_file_location("heavy_tasks", ROOT / "scripts" / "heavy_tasks.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    rng = np.random.default_rng(640)
-    for i in range(2):
-        t = mod.heavy_task(rng, f"heavy-640-{i:03d}")
+    t = heavy_task(640, 1)
     assert (len(t.tables), t.num_devices) == (35, 4)
     return t
 
