@@ -75,13 +75,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
-    if args.only_floor_changes:
-        from embshard.search.neuroshard import NeuroShardSharder
+    if args.only_floor_changes or args.only_split_vetoes:
+        from embshard.search.neuroshard import BEAM_MAX_PIECES, NeuroShardSharder
 
         floored = NeuroShardSharder(verify=0)
-    if args.only_split_vetoes:
-        from embshard.search.neuroshard import NeuroShardSharder
-
         checked = NeuroShardSharder(verify=0, split_check="analytic")
     written = 0
     for i in range(args.num_tasks):
@@ -94,7 +91,7 @@ def main() -> None:
             print(f"{task.name} ({len(task.tables)} tables x {task.num_devices}, batch {task.batch_size}): search "
                   f"{f['search_ms']:.2f} ms predicted, {f['kept']} {f['heuristics_ms'][f['kept']]:.2f} ms", flush=True)
         if args.only_split_vetoes:
-            if len(task.tables) <= 64:  # the beam runs (beam_max_pieces): no costliest cut to check
+            if len(task.tables) <= BEAM_MAX_PIECES:  # the beam runs: no costliest cut to check
                 continue
             checked.shard(task)
             c = checked.last_search_info.get("costly_split")

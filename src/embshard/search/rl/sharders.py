@@ -223,11 +223,9 @@ class RLSharder(GuardSlot):
         """The measured guard (module doc) on `guard_candidates`, labelled `<name>#1`, `<name>#2`,
         ...; returns the plan kept and the agent's estimate of it."""
         cands = self.guard_candidates(pick, weighed, k)
-        judge = self._judge_model() if self.split_judge is not None else None
         plan, self.last_guard = self.guard.run(
             task, [(f"{self.name}#{i + 1}", p) for i, p in enumerate(cands)], self.evaluator,
-            (lambda p: float(judge.device_costs(task, p).plan_cost_ms)) if judge is not None else (lambda p: None),
-            self.name)
+            (lambda p: self._judged_ms(task, p)) if self.split_judge is not None else (lambda p: None), self.name)
         validate(task, plan)
         return plan, self._agent_estimate(agent, task, plan, [(pick, estimate_ms, None), *weighed])
 
@@ -253,9 +251,7 @@ class RLSharder(GuardSlot):
         if self.split_judge is None:
             self.last_floor = {"skipped": "no split_judge to price the plans with"}
             return pick, estimate_ms
-        judge = self._judge_model()
-        plan, self.last_floor = self.floor.apply(task, pick, lambda p: float(judge.device_costs(task, p).plan_cost_ms),
-                                                 self.name)
+        plan, self.last_floor = self.floor.apply(task, pick, lambda p: self._judged_ms(task, p), self.name)
         if plan is pick:
             return pick, estimate_ms
         validate(task, plan)
@@ -281,8 +277,7 @@ class RLSharder(GuardSlot):
                                 max_candidates=self.max_candidates)
         if reduction is not None:
             cands = [(expand(original, reduction, p, self.name), e) for p, e in cands]
-        judge = self._judge_model()
-        judged = [float(judge.device_costs(original or task, p).plan_cost_ms) for p, _ in cands]
+        judged = [self._judged_ms(original or task, p) for p, _ in cands]
         weighed += [(p, float(e), j) for (p, e), j in zip(cands, judged)]
         i = min(range(len(cands)), key=judged.__getitem__)
         info = {"plans": len(cands), "pick": i, "judged_ms": judged[i], "network_pick_judged_ms": judged[0]}
@@ -348,8 +343,7 @@ class RLSharder(GuardSlot):
         if self.split_judge is None:
             info["chosen"] = bool(sliced_ms < estimate_ms)
         else:
-            judge = self._judge_model()
-            whole_j, split_j = (float(judge.device_costs(task, p).plan_cost_ms) if seen is None else seen["judged_ms"]
+            whole_j, split_j = (self._judged_ms(task, p) if seen is None else seen["judged_ms"]
                                 for p, seen in ((plan, whole_judged), (split_plan, judged)))
             info.update(judge=self.split_judge, whole_judged_ms=whole_j, split_judged_ms=split_j,
                         chosen=bool(split_j < whole_j))
@@ -363,6 +357,10 @@ class RLSharder(GuardSlot):
 
             self._judge = load_models(self.split_judge, self.name).neural
         return self._judge
+
+    def _judged_ms(self, task: Task, plan: Plan) -> float:
+        """The split_judge's plan cost of `plan` on `task` (ms)."""
+        return float(self._judge_model().device_costs(task, plan).plan_cost_ms)
 
     def _over_split_work(self, tables: int, devices: int) -> str | None:
         """Why the split plan is not tried at this size (None: it is)."""
