@@ -5,8 +5,9 @@ PLANNER: "embshard:<algorithm>" or "torchrec" (TorchRec's own EmbeddingShardingP
 
 For each model, (a) TorchRec's `torchrec.models.dlrm.DLRM` and (b) `TwoTowers` (two
 EmbeddingBagCollections at nested paths, mixed dims, a table read by two features, tables
-constrained to data_parallel, column_wise and table_wise), and each planner, and (c)
-`Sequences` (an EmbeddingCollection, one table constrained to column_wise) with the heuristic:
+constrained to data_parallel, column_wise and table_wise), and each planner, (c)
+`Sequences` (an EmbeddingCollection, one table constrained to column_wise) with the heuristic,
+and (d) `Both` (an EmbeddingBagCollection beside an EmbeddingCollection) with neuroshard:
 
 1. `collective_plan(model, sharders, pg)` on a meta-device copy;
 2. DistributedModelParallel wraps a copy of the unsharded reference model under that plan, and
@@ -96,6 +97,38 @@ class Sequences(nn.Module):
     def forward(self, kjt):
         d = self.seq.ec(kjt)
         return torch.cat([d["a"].values(), d["b"].values()])
+
+
+class Both(nn.Module):
+    """An EmbeddingBagCollection (pooled) at both.ebc beside an EmbeddingCollection (sequence) at
+    both.ec: what a planner of pooled tables plans in two parts (embshard.search.mixed)."""
+
+    def __init__(self, device: torch.device):
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+        super().__init__()
+        self.both = nn.Module()
+        self.both.ebc = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name="p0", embedding_dim=16, num_embeddings=2000, feature_names=["p_a"]),
+            EmbeddingBagConfig(name="p1", embedding_dim=8, num_embeddings=500, feature_names=["p_b"])], device=device)
+        self.both.ec = EmbeddingCollection(tables=[
+            EmbeddingConfig(name="q0", embedding_dim=16, num_embeddings=300, feature_names=["a"]),
+            EmbeddingConfig(name="q1", embedding_dim=16, num_embeddings=100, feature_names=["b"])], device=device)
+
+    def forward(self, pooled, seq):
+        p = self.both.ebc(pooled).to_dict()
+        d = self.both.ec(seq)
+        return torch.cat([p["p_a"].flatten(), p["p_b"].flatten(), d["a"].values().flatten(), d["b"].values().flatten()])
+
+
+def both_batch(g: torch.Generator, batch: int):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    lengths = torch.randint(0, 4, (2 * batch,), generator=g)
+    pooled = KeyedJaggedTensor.from_lengths_sync(keys=["p_a", "p_b"], values=torch.randint(
+        0, 500, (int(lengths.sum()),), generator=g), lengths=lengths)
+    return (pooled, *sequences_batch(g, batch))
 
 
 def sequences_batch(g: torch.Generator, batch: int):
@@ -190,6 +223,11 @@ def check(model_name: str, spec: str, rank: int, world: int) -> dict:
 
         make, batch_of, sharders = Sequences, sequences_batch, [EmbeddingCollectionSharder()]
         constraints = {"s1": ParameterConstraints(sharding_types=["column_wise"], min_partition=8)}
+    elif model_name == "both":
+        from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+        make, batch_of, sharders = Both, both_batch, [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+        constraints = {}
     else:
         make, batch_of = TwoTowers, two_towers_batch
         constraints = {"u_small": ParameterConstraints(sharding_types=["data_parallel"]),
@@ -241,10 +279,12 @@ def main(rank: int, world: int, port: int, out_dir: str, specs: list[str]) -> No
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     results = {}
     try:
-        for model_name in ("dlrm", "two_towers", "sequences"):
+        for model_name in ("dlrm", "two_towers", "sequences", "both"):
             for spec in specs:
                 if model_name == "sequences" and spec != "embshard:size_lookup_greedy":
-                    continue  # sequence tables: the table-wise heuristics plan them (neuroshard refuses them)
+                    continue  # sequence tables alone: the table-wise heuristics plan them (neuroshard refuses them)
+                if model_name == "both" and spec != "embshard:neuroshard":
+                    continue  # both kinds: neuroshard plans the pooled ones, size_lookup_greedy the sequence ones
                 results[(model_name, spec)] = check(model_name, spec, rank, world)
                 dist.barrier()
     finally:

@@ -265,7 +265,8 @@ def test_dmp_runs_embshard_plans_like_torchrecs_own(tmp_path):
     model with two EmbeddingBagCollections at nested paths (mixed dims, a table read by two
     features, tables constrained to data_parallel, column_wise and table_wise), planned by
     EmbShardPlanner with neuroshard and with a heuristic, and by TorchRec's own planner as the
-    control; and an EmbeddingCollection (sequence tables) planned with the heuristic: forward
+    control; an EmbeddingCollection (sequence tables) planned with the heuristic; and one beside an
+    EmbeddingBagCollection planned with neuroshard (embshard.search.mixed): forward
     equals the unsharded model's on the same weights, backward runs, the constrained tables get
     their sharding types, collective_plan gives both ranks one plan."""
     from _ranks import run_ranks
@@ -278,7 +279,8 @@ def test_dmp_runs_embshard_plans_like_torchrecs_own(tmp_path):
     for rank, (code, out) in enumerate(done):
         assert code == 0, f"rank {rank} failed:\n{out[-3000:]}"
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
-    assert set(r0) == {(m, s) for m in ("dlrm", "two_towers") for s in specs} | {("sequences", specs[1])}
+    assert set(r0) == {(m, s) for m in ("dlrm", "two_towers") for s in specs} | {("sequences", specs[1]),
+                                                                                ("both", specs[0])}
     for key in r0:
         for res in (r0[key], r1[key]):
             assert res["reference_abs"] > 0, f"{key}: all-zero reference output proves nothing"
@@ -291,6 +293,9 @@ def test_dmp_runs_embshard_plans_like_torchrecs_own(tmp_path):
             assert (kinds["u_small"], kinds["i_cw"], kinds["i_tw"]) == ("data_parallel", "column_wise", "table_wise")
         elif key[0] == "sequences":  # an EmbeddingCollection: sequence tables
             assert kinds == {"s0": "table_wise", "s1": "column_wise"}
+        elif key[0] == "both":  # both collections in the plan, every table of each
+            assert set(kinds) == {"p0", "p1", "q0", "q1"}
+            assert {name.split("/")[0] for name in r0[key]["plan"]} == {"both.ebc", "both.ec"}
         else:
             assert kinds["t3"] == "data_parallel"
 

@@ -96,6 +96,11 @@ def plan(task: Task, algorithm: str | Any = "neuroshard", hardware: Any = None, 
     """Plan `task` with the searcher named `algorithm` (or a Sharder object) and return our
     Plan, validated (every table covered once, memory, the tables' constraints).
 
+    A task of pooled and sequence tables given to a planner of pooled tables only (neuroshard,
+    the portfolio, dreamshard, autoshard, torchrec) is planned in two parts in one memory budget:
+    the sequence tables by size_lookup_greedy, the pooled ones by the planner
+    (`embshard.search.mixed`).
+
     Args:
         task: a Task (`Task.load`, `Task.from_module`, or built in Python).
         algorithm: a name of conf/searchers/all.yaml (neuroshard, dreamshard, autoshard,
@@ -109,9 +114,6 @@ def plan(task: Task, algorithm: str | Any = "neuroshard", hardware: Any = None, 
         InputError: unknown algorithm or key, or a task the algorithm is not meant for.
         InfeasibleError: no plan fits memory (names the table and the shortfall in bytes).
     """
-    from embshard.compare import refusal
-    from embshard.search.constrained import shard_constrained
-
     if isinstance(algorithm, str):
         sharder = searcher(algorithm, seed=seed, **overrides)
         name = algorithm
@@ -119,7 +121,18 @@ def plan(task: Task, algorithm: str | Any = "neuroshard", hardware: Any = None, 
         if overrides:
             raise InputError("overrides are for an algorithm given by name; configure a Sharder object directly")
         sharder, name = algorithm, getattr(algorithm, "name", type(algorithm).__name__)
-    reason = refusal(name, sharder.capabilities, task)
+    return plan_with_info(task, sharder, name, hardware)[0]
+
+
+def plan_with_info(task: Task, sharder: Any, name: str, hardware: Any = None) -> tuple[Plan, dict[str, Any] | None]:
+    """`plan` for a Sharder object: (the validated plan, what `embshard.search.mixed` did on a
+    task of both kinds for a planner of pooled tables, else None)."""
+    from embshard.compare import refusal
+    from embshard.search.constrained import shard_constrained
+    from embshard.search.mixed import is_mixed, shard_mixed
+
+    mixed = is_mixed(sharder.capabilities, task)
+    reason = None if mixed else refusal(name, sharder.capabilities, task)
     if reason is not None:
         raise InputError(reason)
     if hardware is not None:
@@ -128,7 +141,12 @@ def plan(task: Task, algorithm: str | Any = "neuroshard", hardware: Any = None, 
             raise InputError(f"{name} measures nothing while it searches; hardware= is for the measured guards "
                              "(neuroshard, dreamshard, autoshard, portfolio)")
         attach(hardware)
-    result = shard_constrained(sharder, task)
+    info = None
+    if mixed:
+        both = shard_mixed(task, lambda pooled: shard_constrained(sharder, pooled), name)
+        result, info = both.plan, both.info()
+    else:
+        result = shard_constrained(sharder, task)
     result.algorithm = name
     validate(task, result)
-    return result
+    return result, info

@@ -16,8 +16,9 @@ One line changes in a TorchRec training script:
    and the sharders allow on the topology's compute device);
 2. plans it with the searcher named `algorithm`, built from its conf/search/ config with the
    keyword overrides (`embshard.api.plan`; tables whose constraints leave out table_wise are
-   shaped first: `embshard.search.constrained`), and validates the plan (coverage, memory, the
-   constraints);
+   shaped first: `embshard.search.constrained`; a model of both kinds given to a planner of pooled
+   tables has its sequence tables planned by size_lookup_greedy in the same memory budget:
+   `embshard.search.mixed`), and validates the plan (coverage, memory, the constraints);
 3. exports it per collection (`plan_to_torchrec`, keyed by each collection's path), with the
    constraints' `stochastic_rounding`, `bounds_check_mode`, `output_dtype` and `enforce_hbm`
    carried into each `ParameterSharding` as TorchRec's planner does;
@@ -125,6 +126,8 @@ class EmbShardPlanner(ShardingPlanner):
         self.last_collections: list[Collection] = []
         self.last_search_seconds: float | None = None
         self.last_summary: str | None = None
+        #: on a model of both kinds planned in two parts (`embshard.search.mixed`), what was done
+        self.last_mixed: dict | None = None
 
     # ------------------------------------------------------------------ ShardingPlanner
     def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
@@ -135,7 +138,7 @@ class EmbShardPlanner(ShardingPlanner):
                                              sharders=sharders, name=type(module).__name__,
                                              storage_reservation=self.storage_reservation)
         start = time.perf_counter()
-        plan = api.plan(task, self.searcher, hardware=self.hardware)
+        plan, self.last_mixed = api.plan_with_info(task, self.searcher, self.algorithm, hardware=self.hardware)
         self.last_search_seconds = time.perf_counter() - start
         plan.algorithm = self.algorithm
         sharding_plan = self.to_torchrec(task, plan, collections)
@@ -230,6 +233,7 @@ class EmbShardPlanner(ShardingPlanner):
             f"  algorithm {self.algorithm}" + (f", checkpoint {checkpoint}" if checkpoint else "")
             + f", planned in {self.last_search_seconds or 0.0:.2f} s; sharding types: "
             + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())),
+            *self._mixed_lines(),
             f"  {'rank':>4}  {'memory used / budget':>24}  {'pieces':>6}  {'est. ms (compute + comm)':>26}",
         ]
         for d in range(task.num_devices):
@@ -242,6 +246,15 @@ class EmbShardPlanner(ShardingPlanner):
         else:
             lines.append(f"  no estimated cost: {note}")
         return "\n".join(lines)
+
+    def _mixed_lines(self) -> list[str]:
+        m = self.last_mixed
+        if m is None:
+            return []
+        if "fallback" in m:
+            return [f"  {m['fallback']}"]
+        return [f"  {m['pooled_tables']} pooled table(s) by {self.algorithm}, {m['sequence_tables']} sequence table(s) "
+                f"by {m['sequence_planner']} ({m['reserved_bytes']} bytes per rank reserved for them)"]
 
     def _estimate(self, task: Task, plan: Plan):
         """(DeviceCosts, what estimated them) by the `cost_model` config, or (None, why not)."""

@@ -1,0 +1,138 @@
+"""A model of pooled and sequence tables for a planner of pooled tables only.
+
+NeuroShard, the portfolio, DreamShard, AutoShard and TorchRec's planner as wrapped here plan
+pooled tables (EmbeddingBags) only: their cost models and policies price pooled lookups. A
+TorchRec model often has an `EmbeddingCollection` of sequence tables beside its
+`EmbeddingBagCollection`s, and TorchRec's own planner plans both. `embshard.plan` (and so
+`EmbShardPlanner`) plans such a task in two parts, in one memory budget:
+
+1. the sequence tables, alone, by `SEQUENCE_PLANNER` (a table-wise heuristic that plans both
+   kinds, with their constraints honoured as for any whole-table planner); the most memory any
+   device's sequence tables take there is reserved on every device;
+2. the pooled tables, alone, by the planner asked for, on the same devices with each device's
+   memory less that reservation;
+3. the sequence tables placed again, whole, largest first, onto the device with the least work
+   so far that has room (work: bytes a step reads, batch x lookups x dim, of the pooled pieces
+   there and the sequence tables placed), so they fill the devices the pooled plan left light;
+   where a table does not fit that way, or is not placed whole in step 1 (its constraints, or too
+   large for one device), or its sharding_types leave out table_wise, step 1's placement of the
+   sequence tables is kept, which fits (every
+   device has the reservation free);
+4. the two together, validated on the whole task.
+
+The planner's estimate covers its pooled tables only. Where the pooled tables do not fit beside the reservation,
+the whole task is planned by `SEQUENCE_PLANNER` instead, with a warning naming why, and
+`MixedResult.fallback` says so; where that finds no plan either, its error is raised (naming the
+table and the shortfall).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from embshard.errors import InfeasibleError
+from embshard.plan import Plan, Shard
+from embshard.search.base import Capabilities
+from embshard.search.baselines import GreedySharder
+from embshard.tables import Table
+from embshard.task import Task
+
+log = logging.getLogger(__name__)
+
+#: the table-wise heuristic that plans the sequence tables (and the whole task as the fallback)
+SEQUENCE_PLANNER = "size_lookup_greedy"
+
+
+def is_mixed(capabilities: Capabilities, task: Task) -> bool:
+    """Whether `task` holds both kinds and the planner is meant for pooled tables only: the case
+    this module plans in two parts."""
+    kinds = {t.kind for t in task.tables}
+    return kinds == {"pooled", "sequence"} and "pooled" in capabilities.table_kinds \
+        and "sequence" not in capabilities.table_kinds
+
+
+@dataclass
+class MixedResult:
+    """What `shard_mixed` did: the plan, the sequence tables' reservation per device, and why the
+    whole task fell back to `SEQUENCE_PLANNER` (None: it did not)."""
+
+    plan: Plan
+    sequence_tables: int
+    pooled_tables: int
+    reserved_bytes: int
+    fallback: str | None = None
+
+    def info(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"sequence_planner": SEQUENCE_PLANNER, "sequence_tables": self.sequence_tables,
+                               "pooled_tables": self.pooled_tables, "reserved_bytes": self.reserved_bytes}
+        if self.fallback is not None:
+            out["fallback"] = self.fallback
+        return out
+
+
+def shard_mixed(task: Task, plan_pooled: Callable[[Task], Plan], name: str) -> MixedResult:
+    """Plan `task` (pooled and sequence tables) in two parts (module docstring).
+
+    Args:
+        task: a task with tables of both kinds.
+        plan_pooled: plans a task of pooled tables only (the planner asked for, with its
+            constraint handling: `shard_constrained`).
+        name: the planner's name, for the messages and the plan.
+    """
+    from embshard.search.constrained import shard_constrained
+
+    sequence = tuple(t for t in task.tables if t.is_sequence)
+    pooled = tuple(t for t in task.tables if not t.is_sequence)
+    heuristic = GreedySharder("size_lookup", name=SEQUENCE_PLANNER)
+    seq_plan = shard_constrained(heuristic, dataclasses.replace(task, tables=sequence))
+    reserved = max(seq_plan.memory_bytes(task))
+    pooled_task = dataclasses.replace(task, tables=pooled, device_memory_bytes=task.device_memory_bytes - reserved)
+    try:
+        pooled_plan = plan_pooled(pooled_task)
+    except InfeasibleError as e:
+        why = (f"{name}: the pooled tables do not fit beside the sequence tables' reservation of {reserved} bytes "
+               f"per device ({str(e).splitlines()[0]}); the whole task planned by {SEQUENCE_PLANNER}")
+        log.warning("%s", why)
+        whole = shard_constrained(heuristic, task)
+        whole.algorithm = name
+        return MixedResult(whole, len(sequence), len(pooled), reserved, why)
+    log.info("%s: %d pooled table(s) planned by %s, %d sequence table(s) by %s (%d bytes per device reserved)",
+             task.name, len(pooled), name, len(sequence), SEQUENCE_PLANNER, reserved)
+    placed = _place_by_work(task, pooled_plan, seq_plan)
+    plan = dataclasses.replace(pooled_plan, task=task.name, algorithm=name,
+                               shards=list(pooled_plan.shards) + list((placed or seq_plan).shards))
+    return MixedResult(plan, len(sequence), len(pooled), reserved)
+
+
+def _work(task: Task, table: Table, rows: int, dim: int) -> float:
+    """Bytes a piece reads in a step: its share of the batch's lookups of `table` times its width."""
+    return task.batch_size * table.pooling_factor * (rows / table.rows) * dim * table.bytes_per_element
+
+
+def _place_by_work(task: Task, pooled_plan: Plan, seq_plan: Plan) -> Plan | None:
+    """Step 3 of the module docstring: the sequence tables of `seq_plan` placed again beside
+    `pooled_plan`, or None where one is not whole there or does not fit."""
+    tables = task.table_by_name
+    seq = [tables[s.table] for s in seq_plan.shards]
+    if len(seq) != len({t.name for t in seq}) or any(
+            s.rows != tables[s.table].rows or s.dim != tables[s.table].dim or s.replica for s in seq_plan.shards) \
+            or any(t.sharding_types and "table_wise" not in t.sharding_types for t in seq):
+        return None
+    free = [task.device_memory_bytes - m for m in pooled_plan.memory_bytes(task)]
+    work = [0.0] * task.num_devices
+    for s in pooled_plan.shards:
+        work[s.device] += _work(task, tables[s.table], s.rows, s.dim)
+    shards = []
+    for t in sorted(seq, key=lambda t: (-_work(task, t, t.rows, t.dim), t.name)):
+        need = task.table_memory_bytes(t)
+        room = [d for d in range(task.num_devices) if free[d] >= need]
+        if not room:
+            return None
+        d = min(room, key=lambda d: (work[d], -free[d], d))
+        free[d] -= need
+        work[d] += _work(task, t, t.rows, t.dim)
+        shards.append(Shard.whole(t, d))
+    return Plan(task.name, seq_plan.algorithm, shards)
