@@ -96,12 +96,22 @@ def test_pooled_tables_that_do_not_fit_beside_the_reservation_fall_back_to_the_h
     assert "\n" not in info["fallback"] and info["fallback"] in caplog.text
 
 
-def test_a_task_no_plan_fits_raises_the_heuristics_error_naming_the_table():
-    tables = (Table("p0", 25_000, 64, 1.0, sharding_types=["table_wise"]), Table("s0", 40_000, 64, 1.0, kind="sequence"))
-    task = Task("nofit", 2, 8 * MiB, 8, tables)
-    with pytest.raises(InfeasibleError, match=r"table 's0'.*short by") as e:
-        embshard.plan(task, algorithm="neuroshard")
-    assert "\n" not in str(e.value)
+def test_a_sequence_table_that_fits_no_device_is_the_sequence_heuristics_one_line_error():
+    tables = (Table("p0", 25_000, 64, 1.0), Table("s0", 40_000, 64, 1.0, kind="sequence"))
+    with pytest.raises(InfeasibleError, match=r"^table 's0' needs \d+ bytes but the most free memory on any device is "
+                       r"\d+ bytes \(device 0\): short by \d+ bytes$") as e:
+        embshard.plan(Task("nofit", 2, 8 * MiB, 8, tables), algorithm="neuroshard")
+    assert e.value.table == "s0" and e.value.shortfall_bytes > 0
+
+
+def test_a_task_no_plan_fits_names_the_heuristics_table_and_the_planners_own_error():
+    # one device of 10 MiB: s0 fits alone (the reservation), p0 not beside it, and not the two together
+    tables = (Table("p0", 25_000, 64, 1.0, sharding_types=["table_wise"]), Table("s0", 25_000, 64, 1.0, kind="sequence"))
+    with pytest.raises(InfeasibleError, match=r"short by \d+ bytes \(size_lookup_greedy on the whole task, "
+                       r"after neuroshard found no plan of the pooled tables beside the sequence tables' reservation "
+                       r"of \d+ bytes per device: table 'p0'") as e:
+        embshard.plan(Task("nofit1", 1, 10 * MiB, 8, tables), algorithm="neuroshard")
+    assert "\n" not in str(e.value) and e.value.table in ("p0", "s0") and e.value.shortfall_bytes > 0
 
 
 def test_embshard_planner_plans_a_model_of_both_collections_with_neuroshard():

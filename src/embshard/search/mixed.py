@@ -23,7 +23,7 @@ TorchRec model often has an `EmbeddingCollection` of sequence tables beside its
 The planner's estimate covers its pooled tables only. Where the pooled tables do not fit beside the reservation,
 the whole task is planned by `SEQUENCE_PLANNER` instead, with a warning naming why, and
 `MixedResult.fallback` says so; where that finds no plan either, its error is raised (naming the
-table and the shortfall).
+table and the shortfall), with the planner's own beside it.
 """
 
 from __future__ import annotations
@@ -95,8 +95,14 @@ def shard_mixed(task: Task, plan_pooled: Callable[[Task], Plan], name: str) -> M
     except InfeasibleError as e:
         why = (f"{name}: the pooled tables do not fit beside the sequence tables' reservation of {reserved} bytes "
                f"per device ({str(e).splitlines()[0]}); the whole task planned by {SEQUENCE_PLANNER}")
+        try:
+            whole = shard_constrained(heuristic, task)
+        except InfeasibleError as f:
+            raise InfeasibleError(f"{str(f).splitlines()[0]} ({SEQUENCE_PLANNER} on the whole task, after {name} found no "
+                                  f"plan of the pooled tables beside the sequence tables' reservation of {reserved} "
+                                  f"bytes per device: {str(e).splitlines()[0]})",
+                                  table=f.table, shortfall_bytes=f.shortfall_bytes) from None
         log.warning("%s", why)
-        whole = shard_constrained(heuristic, task)
         whole.algorithm = name
         return MixedResult(whole, len(sequence), len(pooled), reserved, why)
     log.info("%s: %d pooled table(s) planned by %s, %d sequence table(s) by %s (%d bytes per device reserved)",
