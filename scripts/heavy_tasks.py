@@ -4,6 +4,7 @@
     python scripts/heavy_tasks.py --out experiments/heavy/tasks --num-tasks 60 --seed 632
     python scripts/heavy_tasks.py --out experiments/heavy/tasks --only-floor-changes      # those NeuroShard's floor changes
     python scripts/heavy_tasks.py --out experiments/heavy/vetoes --num-tasks 1000 --seed 642 --only-split-vetoes
+    python scripts/heavy_tasks.py --out experiments/heavy/small --num-tasks 20 --seed 651 --max-tables 64 --max-batch 8192
 
 A task: 30-80 tables by rows, dim and pooling factor only (no reuse histograms, no traces, as a
 user gives them): rows log-uniform in [1e3, 5e6], dims from {8, 16, ..., 256}, pooling factor
@@ -11,6 +12,9 @@ user gives them): rows log-uniform in [1e3, 5e6], dims from {8, 16, ..., 256}, p
 devices; batch 2048, 8192 or 32768; memory per device 1.3x an even share of the tables' memory
 (at least 1.05x the largest table). Where the lookups would exceed 6 million per device per step,
 every pooling factor is scaled down (at least 1), which keeps a plan's measurement here to seconds.
+
+`--max-tables` and `--max-batch` write only the draws within those bounds (every task is drawn,
+so the ones kept are the same whatever else is kept; `--num-tasks` counts draws).
 
 `--only-floor-changes` writes only the tasks on which NeuroShard's heuristic floor (`floor`,
 conf/search/neuroshard.yaml) returns another plan than its search's pick (where
@@ -67,6 +71,8 @@ def main() -> None:
                     help="write only the tasks where NeuroShard's floor changes its plan")
     ap.add_argument("--only-split-vetoes", action="store_true",
                     help="write only the tasks where split_check=analytic turns down NeuroShard's costliest cut")
+    ap.add_argument("--max-tables", type=int, default=None, help="write only draws of at most this many tables")
+    ap.add_argument("--max-batch", type=int, default=None, help="write only draws of at most this batch")
     args = ap.parse_args()
     if args.only_floor_changes and args.only_split_vetoes:
         ap.error("--only-floor-changes and --only-split-vetoes select different tasks; give one")
@@ -83,6 +89,9 @@ def main() -> None:
     written = 0
     for i in range(args.num_tasks):
         task = heavy_task(rng, f"heavy-{args.seed}-{i:03d}")
+        if (args.max_tables is not None and len(task.tables) > args.max_tables) or (
+                args.max_batch is not None and task.batch_size > args.max_batch):
+            continue
         if args.only_floor_changes:
             floored.shard(task)
             f = floored.last_search_info["floor"]
