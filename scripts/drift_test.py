@@ -106,7 +106,7 @@ def _busy_loop(seconds: float, kind: str = "cpu") -> subprocess.Popen:
 
 def session(out: Path, protocol_name: str, label: str, load: str, backend: str, device: str,
             comm_backend: str | None, seed: int, max_load_s: float, limit: int | None = None,
-            with_plans: bool = True) -> Path:
+            with_plans: bool = True, max_cached_bytes: int = 0) -> Path:
     """Measure the prepared shards and plans once under a protocol; write the session file."""
     from embshard.hardware.backends import ShardInput
     from embshard.hardware.evaluator import HardwareEvaluator
@@ -138,10 +138,10 @@ def session(out: Path, protocol_name: str, label: str, load: str, backend: str, 
         # while the shards ran, under the same protocol (also under legacy)
         timings, tracked = measure_compute_with_probe(sets, batches, backend=backend, device=device,
                                                       protocol=protocol.replace(probe=True), seed=seed, progress=True,
-                                                      session=probe)
+                                                      session=probe, max_cached_bytes=max_cached_bytes)
         t_plans = time.perf_counter()
         ev = HardwareEvaluator(backend=backend, device=device, comm_backend=comm_backend, protocol=protocol, seed=seed,
-                               progress=True)
+                               progress=True, max_cached_bytes=max_cached_bytes)
         names = sorted(plans) if with_plans else []
         costs = ev.measure_many(task, [plans[n] for n in names])
         t_end = time.perf_counter()
@@ -150,7 +150,7 @@ def session(out: Path, protocol_name: str, label: str, load: str, backend: str, 
             bg.terminate()
             bg.wait(timeout=10)
     body = {
-        "protocol": protocol.to_dict(), "label": label, "load": load, "backend": backend, "device": device,
+        "protocol": protocol.to_dict(), "max_cached_bytes": max_cached_bytes, "label": label, "load": load, "backend": backend, "device": device,
         "probe": probe.to_dict(),
         "tracked_probe": tracked.to_dict(),
         "seconds": {"probe": round(t_shards - t0, 1), "shards": round(t_plans - t_shards, 1),
@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-torchrec", action="store_true", help="prepare: NeuroShard's plan instead of TorchRec's")
     ap.add_argument("--limit", type=int, default=None, help="session: only the first N shards")
     ap.add_argument("--skip-plans", action="store_true", help="session: shards only")
+    ap.add_argument("--max-cached-bytes", type=int, default=0,
+                    help="session: kernels kept between visits within a call (the evaluator's default 0: every kernel "
+                         "rebuilt each visit; 2147483648 was the default before 2026-12-04)")
     args = ap.parse_args(argv)
     from embshard.errors import EmbshardError
 
@@ -251,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "session":
             comm = None if args.comm_backend == "none" else args.comm_backend
             session(args.out, args.protocol, args.label, args.load, args.backend, args.device, comm, args.seed,
-                    args.max_load_s, args.limit, not args.skip_plans)
+                    args.max_load_s, args.limit, not args.skip_plans, args.max_cached_bytes)
         else:
             compare(args.out)
     except EmbshardError as e:

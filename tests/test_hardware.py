@@ -184,7 +184,8 @@ def test_empty_device_costs_zero_compute():
 
 
 def test_measure_many_interleaves_plans(monkeypatch):
-    """Rounds visit A's devices then B's, then A's again: A B A B, not A A B B."""
+    """Rounds visit A's devices then B's, then A's again: A B A B, not A A B B; by default the
+    evaluator builds every kernel again at every visit (each plan timed in the same state)."""
     visits = []
     real = compute_mod.make_kernel
 
@@ -196,16 +197,27 @@ def test_measure_many_interleaves_plans(monkeypatch):
     task = make_task(n_tables=4)
     a, b = round_robin(task, "a"), all_on(task, 0, "b")
     ev = HardwareEvaluator(backend="torch", comm_backend=None, protocol=proto(0, 2, visits=2))
+    assert ev.max_cached_bytes == 0
     out = ev.measure_many(task, [a, b])
     assert len(out) == 2 and all(isinstance(c, DeviceCosts) for c in out)
     a0, a1, b0, b1 = ("t0", "t2"), ("t1", "t3"), ("t0", "t1", "t2"), ("t3",)
-    # kernels are cached between rounds, so rebuilds show only the first round...
+    # every visit rebuilds, in A B order...
+    assert visits == [a0, a1, b0, b1] * 2
+    visits.clear()
+    # ...and where kernels may be kept between visits, only the first visit builds them
+    HardwareEvaluator(backend="torch", comm_backend=None, protocol=proto(0, 2, visits=2),
+                      max_cached_bytes=1 << 30).measure_many(task, [a, b])
     assert visits == [a0, a1, b0, b1]
     visits.clear()
-    # ...and with no room to cache, every round rebuilds in A B order
     sets = [[ShardInput(task.table(n), Shard.whole(task.table(n), 0)) for n in s] for s in (a0, b0)]
     measure_compute(sets, 64, backend="torch", protocol=proto(0, 1, visits=2), max_cached_bytes=0)
     assert visits == [a0, b0, a0, b0]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2GiB"])
+def test_evaluator_kernel_cache_setting_is_checked(bad):
+    with pytest.raises(InputError, match=r"^hardware.max_cached_bytes must be an integer >= 0, got "):
+        HardwareEvaluator(backend="torch", comm_backend=None, max_cached_bytes=bad)
 
 
 def test_bad_plan_is_a_plan_error():

@@ -64,6 +64,12 @@ class HardwareEvaluator:
             {"kind": "emulated", "rate_mbit": auto | Mbit/s, ...}: the task's two hosts as
             network namespaces joined by a tc-shaped link (embshard.hardware.cluster), for each
             measuring call; `network` records what was used.
+        max_cached_bytes: device kernels kept alive from one visit to the next within a call
+            (`measure_compute`); the rest are built again at every visit. Default 0: every kernel
+            is built again, so every plan of a call is timed in the same state. With measure_compute's
+            2 GiB, the plans first in a call (a few of the pool's tasks' plans fit) were kept and the
+            later ones rebuilt, and two plans' ratio moved with their order in the call: 5.9% on
+            average against 2.1% with none kept (8 validation tasks, 2026-12-04, docs/measurement.md).
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class HardwareEvaluator:
         comm_timeout_s: float | None = None,
         step: str = "kernels",
         cluster: dict | None = None,
+        max_cached_bytes: int = 0,
     ):
         if backend not in BACKENDS:
             raise InputError(f"unknown hardware backend {backend!r}; one of {list(BACKENDS)}")
@@ -95,6 +102,9 @@ class HardwareEvaluator:
         if step == "dmp" and (str(device).startswith("cuda") or comm_backend != "gloo"):
             raise InputError("hardware.step=dmp measures on CPU with gloo here (device=cpu, comm_backend=gloo)")
         self.step = step
+        if not isinstance(max_cached_bytes, int) or isinstance(max_cached_bytes, bool) or max_cached_bytes < 0:
+            raise InputError(f"hardware.max_cached_bytes must be an integer >= 0, got {max_cached_bytes!r}")
+        self.max_cached_bytes = max_cached_bytes
         self.cluster = dict(cluster or {"kind": "loopback"})
         if self.cluster.get("kind") not in ("loopback", "emulated"):
             raise InputError(f"hardware.cluster.kind must be loopback or emulated, got {self.cluster.get('kind')!r}")
@@ -226,7 +236,7 @@ class HardwareEvaluator:
             shard_sets.extend([ShardInput(tables[s.table], s) for s in on] for on in plan.by_device(d))
 
         kw = dict(backend=self.backend, device=self.device, optimizer=task.optimizer, protocol=protocol, seed=self.seed,
-                  progress=self.progress)
+                  progress=self.progress, max_cached_bytes=self.max_cached_bytes)
         if protocol.probe:
             from embshard.hardware.probe import measure_compute_with_probe
 
