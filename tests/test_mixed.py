@@ -114,6 +114,19 @@ def test_a_task_no_plan_fits_names_the_heuristics_table_and_the_planners_own_err
     assert "\n" not in str(e.value) and e.value.table in ("p0", "s0") and e.value.shortfall_bytes > 0
 
 
+def test_sequence_tables_that_fill_a_device_leave_the_whole_task_to_the_heuristic():
+    # 2 devices, each exactly as large as the sequence table: its reservation leaves no memory for a
+    # pooled task, so the whole task goes to size_lookup_greedy (which puts p0 on the other device)
+    s0 = Table("s0", 1000, 8, 1.0, kind="sequence")
+    probe = Task("edge", 2, 1 << 30, 8, (Table("p0", 100, 8, 1.0), s0))
+    task = dataclasses.replace(probe, device_memory_bytes=probe.table_memory_bytes(s0))
+    plan, info = plan_with_info(task, embshard.api.searcher("neuroshard"), "neuroshard")
+    validate(task, plan)
+    assert info["reserved_bytes"] == task.device_memory_bytes
+    assert info["fallback"].startswith("neuroshard: the pooled tables do not fit beside the sequence tables' "
+                                       "reservation") and "take all" in info["fallback"]
+
+
 def test_embshard_planner_plans_a_model_of_both_collections_with_neuroshard():
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder

@@ -89,9 +89,12 @@ def shard_mixed(task: Task, plan_pooled: Callable[[Task], Plan], name: str) -> M
     heuristic = GreedySharder("size_lookup", name=SEQUENCE_PLANNER)
     seq_plan = shard_constrained(heuristic, dataclasses.replace(task, tables=sequence))
     reserved = max(seq_plan.memory_bytes(task))
-    pooled_task = dataclasses.replace(task, tables=pooled, device_memory_bytes=task.device_memory_bytes - reserved)
     try:
-        pooled_plan = plan_pooled(pooled_task)
+        if reserved >= task.device_memory_bytes:  # no memory left for a pooled task at all
+            raise InfeasibleError(f"the sequence tables take all {task.device_memory_bytes} bytes of a device",
+                                  table=pooled[0].name, shortfall_bytes=task.table_memory_bytes(pooled[0]))
+        pooled_plan = plan_pooled(dataclasses.replace(task, tables=pooled,
+                                                      device_memory_bytes=task.device_memory_bytes - reserved))
     except InfeasibleError as e:
         why = (f"{name}: the pooled tables do not fit beside the sequence tables' reservation of {reserved} bytes "
                f"per device ({str(e).splitlines()[0]}); the whole task planned by {SEQUENCE_PLANNER}")
