@@ -68,8 +68,8 @@ class HardwareEvaluator:
             (`measure_compute`); the rest are built again at every visit. Default 0: every kernel
             is built again, so every plan of a call is timed in the same state. With measure_compute's
             2 GiB, the plans first in a call (a few of the pool's tasks' plans fit) were kept and the
-            later ones rebuilt, and two plans' ratio moved with their order in the call: 5.9% on
-            average against 2.1% with none kept (8 validation tasks, 2026-12-04, docs/measurement.md).
+            later ones rebuilt, and two plans' ratio moved with their order in the call: 8.2% on
+            average against 4.9% with none kept (16 validation tasks, 2026-12-04, docs/measurement.md).
     """
 
     def __init__(
