@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from embshard.errors import InfeasibleError
-from embshard.plan import Plan, Shard
+from embshard.plan import MemoryLedger, Plan, Shard
 from embshard.search.base import Capabilities
-from embshard.search.baselines import GreedySharder
+from embshard.search.baselines import DeviceOrder, GreedySharder
 from embshard.tables import Table
 from embshard.task import Task
 
@@ -130,18 +130,22 @@ def _place_by_work(task: Task, pooled_plan: Plan, seq_plan: Plan) -> Plan | None
             s.rows != tables[s.table].rows or s.dim != tables[s.table].dim or s.replica for s in seq_plan.shards) \
             or any(t.sharding_types and "table_wise" not in t.sharding_types for t in seq):
         return None
-    free = [task.device_memory_bytes - m for m in pooled_plan.memory_bytes(task)]
+    # the greedy heuristics' own machinery: the memory ledger (with its look-ahead over the sequence
+    # tables still to place) and the devices by (work so far, most free memory, index) in a heap
+    ledger = MemoryLedger(task, pending=(task.table_memory_bytes(t) for t in seq))
+    for d, used in enumerate(pooled_plan.memory_bytes(task)):
+        ledger.take(d, used)
     work = [0.0] * task.num_devices
     for s in pooled_plan.shards:
         work[s.device] += _work(task, tables[s.table], s.rows, s.dim)
+    order = DeviceOrder([(work[d], -ledger.free[d], d) for d in range(task.num_devices)])
     shards = []
     for t in sorted(seq, key=lambda t: (-_work(task, t, t.rows, t.dim), t.name)):
-        need = task.table_memory_bytes(t)
-        room = [d for d in range(task.num_devices) if free[d] >= need]
-        if not room:
+        try:
+            d = ledger.place(t, ledger.need(t), order)
+        except InfeasibleError:
             return None
-        d = min(room, key=lambda d: (work[d], -free[d], d))
-        free[d] -= need
         work[d] += _work(task, t, t.rows, t.dim)
+        order.settle(d, (work[d], -ledger.free[d], d))
         shards.append(Shard.whole(t, d))
     return Plan(task.name, seq_plan.algorithm, shards)
