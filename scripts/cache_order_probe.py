@@ -32,19 +32,19 @@ def order_effect(task, plans, cache: int) -> tuple[float, float, float]:
     from embshard.hardware.compute import measure_compute
     from embshard.hardware.protocol import load_protocol
 
-    (a, pa), (b, pb) = plans.items()
+    pa, pb = plans.values()
     d, tables = task.num_devices, task.table_by_name
     ratios = []
-    for first, second in ((pa, pb), (pb, pa)):
+    for order in ((pa, pb), (pb, pa)):
         sets, items = [], []
-        for plan in (first, second):
+        for plan in order:
             for dev, on in enumerate(plan.by_device(d)):
                 sets.append([ShardInput(tables[s.table], s) for s in on])
                 items.append(100 * (plan is pb) + dev)  # a device draws the same batches in both calls
         res = measure_compute(sets, task.batch_size, protocol=load_protocol("cpu"), item_seeds=items,
                               max_cached_bytes=cache)
-        ms = {id(p): max(r.median_ms for r in res[k * d:(k + 1) * d]) for k, p in enumerate((first, second))}
-        ratios.append(ms[id(pa)] / ms[id(pb)])
+        first, second = (max(r.median_ms for r in res[k * d:(k + 1) * d]) for k in range(2))
+        ratios.append(first / second if order[0] is pa else second / first)
     return ratios[0], ratios[1], abs(float(np.log(ratios[0] / ratios[1])))
 
 
@@ -60,6 +60,7 @@ def main() -> int:
 
     from embshard import Task, api
     from embshard.errors import EmbshardError
+    from embshard.stats import bootstrap_mean_ci
 
     effects: dict[int, list[float]] = {c: [] for c in args.caches}
     try:
@@ -76,12 +77,9 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     c1, c2 = args.caches
-    diff = np.array(effects[c1]) - np.array(effects[c2])
-    rng = np.random.default_rng(args.seed)
-    boot = [rng.choice(diff, len(diff)).mean() for _ in range(10000)]
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    print(f"{len(diff)} task(s): mean e {np.mean(effects[c1]):.4f} at {c1} bytes, {np.mean(effects[c2]):.4f} at {c2}; "
-          f"difference {diff.mean():.4f} [{lo:.4f}, {hi:.4f}]")
+    mean, lo, hi = bootstrap_mean_ci(np.array(effects[c1]) - np.array(effects[c2]), seed=args.seed)
+    print(f"{len(effects[c1])} task(s): mean e {np.mean(effects[c1]):.4f} at {c1} bytes, {np.mean(effects[c2]):.4f} "
+          f"at {c2}; difference {mean:.4f} [{lo:.4f}, {hi:.4f}]")
     return 0
 
 
