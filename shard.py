@@ -127,6 +127,8 @@ def run(cfg: DictConfig) -> float | None:
     print(f"\n{len(tasks)} task(s), evaluate={cfg.evaluate}")
     if cfg.evaluate == "estimated":
         print(_estimate_caption(judge, results))
+    for caveat in _caveats(tasks, cfg.evaluate).values():
+        print(caveat)
     if cfg.evaluate == "traffic":
         from embshard.flexshard.report import format_traffic
 
@@ -214,6 +216,13 @@ def _estimate_caption(judge: dict[str, str | None], results) -> str:
     return "\n".join(lines)
 
 
+def _caveats(tasks, evaluate: str) -> dict[str, str]:
+    """Per task, what the evaluation leaves out (report.json: `caveats`)."""
+    from embshard.compare import sequence_caveat
+
+    return {t.name: c for t in tasks if (c := sequence_caveat(t, evaluate))}
+
+
 def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metric: str,
                    judge: dict[str, str | None] | None, probe=None, network: list[dict] | None = None) -> list[str]:
     """Write everything into `staging`; returns the names written (what the run may claim)."""
@@ -242,6 +251,8 @@ def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metr
         # evaluate=measured: the network each measuring call's all-to-alls ran on (conf/cluster/)
         "network": network,
         "tasks": [t.name for t in tasks],
+        # per task, what this evaluation leaves out (sequence tables under estimated / measured)
+        "caveats": _caveats(tasks, cfg.evaluate),
         # per result: the ratio to its task's best heuristic, with the paired interval
         "results": [r.to_dict() | {"vs_best_heuristic": vs_heur.get((r.task, r.algorithm))} for r in results],
         "summary": summary,

@@ -206,6 +206,25 @@ def pieces_per_device(task: Task, plan: Plan) -> list[int]:
     return counts
 
 
+def sequence_caveat(task: Task, mode: str) -> str | None:
+    """What `mode` leaves out of a task with sequence tables (one line), or None.
+
+    Under `estimated` and `measured` a sequence piece's all-to-all is its ids' vectors at the
+    uniform-access share of its rows (`Plan.device_widths`); the ids are not replayed, so a
+    row map's hot rows count as any others. `measured` times the unpooled kernels (one vector
+    per id); the cost models of `estimated` were trained on pooled kernels."""
+    seq = [t.name for t in task.tables if t.is_sequence]
+    if not seq or mode not in ("estimated", "measured"):
+        return None
+    more = f" and {len(seq) - 2} more" if len(seq) > 2 else ""
+    what = ("their kernels are timed unpooled (one vector per id)" if mode == "measured" else
+            "the cost model prices their lookups as pooled ones (it was trained on pooled kernels; "
+            "evaluate=measured times them unpooled)")
+    return (f"task {task.name!r} has sequence table(s) {', '.join(map(repr, seq[:2]))}{more}: {what}, and their "
+            "all-to-all is counted at uniform row shares, so hot rows and row maps count as any others; "
+            "evaluate=traffic replays the ids through each plan")
+
+
 def evaluate_task(
     task: Task,
     results: Sequence[Result],

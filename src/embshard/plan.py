@@ -30,7 +30,7 @@ import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -118,15 +118,28 @@ class Plan:
             out[s.device].append(s)
         return out
 
-    def device_widths(self, num_devices: int) -> list[int]:
-        """Sum of shard widths per device: the pooled-embedding columns each device sends.
-        Replicated tables (data-parallel) send nothing: each copy pools its own samples."""
+    def device_widths(self, num_devices: int, tables: "Mapping[str, Table] | None" = None) -> list[int]:
+        """Columns each device sends per sample in the forward all-to-all (its output's width).
+
+        A pooled piece sends its pooled sum: its width (times the table's `num_poolings`, one
+        output per feature, when `tables` is given). Replicated pooled tables (data-parallel)
+        send nothing: each copy pools its own samples. A sequence piece (needs `tables`; without
+        them it counts as pooled) sends one vector per id it serves: width × pooling_factor ×
+        its rows' share of the table, over its copies (the uniform-access share its memory is
+        counted with, `Task.shard_memory_bytes`); a rectangle held on every device sends
+        nothing (every id is looked up where its sample is). Rounded to whole columns."""
         replicated = {s.table for s in self.shards if s.replica}
-        widths = [0] * num_devices
+        widths = [0.0] * num_devices
+        copies = Counter(s.rectangle for s in self.shards) if tables is not None else None
         for s in self.shards:
-            if s.table not in replicated:
-                widths[s.device] += s.dim
-        return widths
+            t = tables.get(s.table) if tables is not None else None
+            if t is not None and t.is_sequence:
+                k = copies[s.rectangle]
+                if k < num_devices:
+                    widths[s.device] += s.dim * t.pooling_factor * s.rows / (t.rows * k)
+            elif s.table not in replicated:
+                widths[s.device] += s.dim * (t.num_poolings if t is not None else 1.0)
+        return [int(round(w)) for w in widths]
 
     def memory_bytes(self, task: Task) -> list[int]:
         """Bytes each device allocates under this plan (weights, optimizer state, I/O), every

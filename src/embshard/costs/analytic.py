@@ -109,7 +109,7 @@ class AnalyticCostModel:
         tables = task.table_by_name
         d = task.num_devices
         compute = [self.compute_ms([(tables[s.table], s) for s in on], batch) for on in plan.by_device(d)]
-        bw = self.transfer_ms(plan.device_widths(d), batch)
+        bw = self.transfer_ms(plan.device_widths(d, tables), batch)
         delay = [c + b for c, b in zip(compute, bw)]
         slowest = max(delay)
         fw = [t + (slowest - x) for t, x in zip(bw, delay)] if d > 1 else [0.0]

@@ -99,7 +99,7 @@ def measure_round(tasks: list[Task], sharders: Mapping[str, Any], models: Any, e
                 if task.num_devices > 1:
                     lo = min(meas.compute_ms)
                     comm_rows.append(comm_record(
-                        f"refine{round_index}-{task.name}-{name}", task.batch_size, plan.device_widths(task.num_devices),
+                        f"refine{round_index}-{task.name}-{name}", task.batch_size, plan.device_widths(task.num_devices, task.table_by_name),
                         [round(c - lo, 3) for c in meas.compute_ms], meas.forward_comm_ms, meas.backward_comm_ms,
                         meas.forward_comm_spread_ms, meas.backward_comm_spread_ms, origin=name, round=round_index,
                         task=task.name, predicted_forward_ms=pred.forward_comm_ms,

@@ -11,6 +11,13 @@ Two backends:
   update. Works on CPU or CUDA wherever torch does; FBGEMM is imported lazily so this
   backend works without it.
 
+Sequence shards (`"kind": "sequence"`) are not pooled: one vector per id, as TorchRec's
+EmbeddingCollection computes them. Their kernel is a second op of the same backend, one per
+distinct width (FBGEMM's ``PoolingMode.NONE`` takes tables of one width only; torch's
+``F.embedding``), run after the pooled op in the same step (`make_kernel`). A sequence piece
+held in k copies serves 1/k of the samples on each (as in its memory, `Task.shard_memory_bytes`):
+copy r keeps the ids of the samples s with s % k == r.
+
 A step is forward + backward (with the update). Its input is a `DeviceBatch`, pre-generated
 before timing so index generation is not timed, and drawn fresh for every repetition:
 for a column shard the table's indices (the shard has its own width); for a row shard the
@@ -65,6 +72,9 @@ class ShardInput:
 
     table: Table
     shard: Shard
+    #: copies of this rectangle in the plan (replica 0 and its replicas): a sequence copy serves
+    #: 1/copies of the samples
+    copies: int = 1
 
     @property
     def rows(self) -> int:
@@ -108,11 +118,14 @@ def shard_batch(shards: Sequence[ShardInput], batch_size: int, rng: np.random.Ge
             by_table[t.name] = batch_indices(t, batch_size, rng)
         idx, off = by_table[t.name]
         lo, n = s.shard.row_offset, s.shard.rows
-        if lo == 0 and n >= t.rows:
+        k = max(int(s.copies), 1) if t.is_sequence else 1
+        if lo == 0 and n >= t.rows and k == 1:
             out.append((idx, off))
             continue
-        keep = (idx >= lo) & (idx < lo + n)
         bag = torch.repeat_interleave(torch.arange(batch_size), off[1:] - off[:-1])
+        keep = (idx >= lo) & (idx < lo + n)
+        if k > 1:  # this copy serves the samples s with s % k == its replica number
+            keep &= bag % k == s.shard.replica % k
         counts = torch.bincount(bag[keep], minlength=batch_size)
         new_off = torch.zeros(batch_size + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=new_off[1:])
@@ -139,6 +152,11 @@ class DeviceKernel(ABC):
         return shard_batch(self.shards, self.batch_size, rng).to(self.device)
 
     @abstractmethod
+    def forward(self, batch: DeviceBatch) -> list[torch.Tensor]:
+        """The outputs of one batch (per op or weight group): pooled ``[batch, width]``,
+        unpooled ``[ids, width]``."""
+
+    @abstractmethod
     def step(self, batch: DeviceBatch) -> None:
         """Forward, backward and the fused optimizer update on one batch."""
 
@@ -157,7 +175,8 @@ class DeviceKernel(ABC):
 
 
 class FbgemmKernel(DeviceKernel):
-    """One ``SplitTableBatchedEmbeddingBagsCodegen`` op over all the device's shards."""
+    """One ``SplitTableBatchedEmbeddingBagsCodegen`` op over the given shards: pooled sums
+    (``pooling="sum"``), or one vector per id (``"none"``: sequence shards, all of one width)."""
 
     def __init__(
         self,
@@ -165,12 +184,14 @@ class FbgemmKernel(DeviceKernel):
         batch_size: int,
         device: str | torch.device = "cpu",
         optimizer: str = "sgd",
+        pooling: str = "sum",
     ):
         super().__init__(shards, batch_size, device)
         from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
             ComputeDevice,
             EmbeddingLocation,
+            PoolingMode,
         )
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             SplitTableBatchedEmbeddingBagsCodegen,
@@ -179,6 +200,7 @@ class FbgemmKernel(DeviceKernel):
         if optimizer not in FBGEMM_OPTIMIZERS:
             raise InputError(f"fbgemm backend: unknown optimizer {optimizer!r}; one of {sorted(FBGEMM_OPTIMIZERS)}")
         check_fbgemm_optimizer(optimizer, self.device)
+        _check_pooling(pooling, self.shards)
         cuda = self.device.type == "cuda"
         loc = EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST
         comp = ComputeDevice.CUDA if cuda else ComputeDevice.CPU
@@ -190,6 +212,7 @@ class FbgemmKernel(DeviceKernel):
             learning_rate=LEARNING_RATE,
             weights_precision=SparseType.FP16 if fp16 else SparseType.FP32,
             device=self.device,
+            pooling_mode=PoolingMode.SUM if pooling == "sum" else PoolingMode.NONE,
         )
         # FBGEMM allocates weights and state with torch.zeros, whose pages the OS maps lazily:
         # touch them now, or page faults would be timed in the first steps.
@@ -213,16 +236,20 @@ class FbgemmKernel(DeviceKernel):
     def state_tensors(self) -> list[torch.Tensor]:
         return [b for b in self.op.buffers() if b.is_floating_point()] + list(self.op.parameters())
 
-    def step(self, batch: DeviceBatch) -> None:
+    def forward(self, batch: DeviceBatch) -> list[torch.Tensor]:
         indices, offsets = batch.per_shard[0]
-        out = self.op(indices, offsets)
+        return [self.op(indices, offsets)]
+
+    def step(self, batch: DeviceBatch) -> None:
+        (out,) = self.forward(batch)
         if self._grad is None or self._grad.shape != out.shape:
             self._grad = torch.full_like(out, 1e-3)
         out.backward(self._grad)
 
 
 class TorchKernel(DeviceKernel):
-    """``F.embedding_bag`` (sum) over one concatenated weight per distinct width + sparse SGD."""
+    """``F.embedding_bag`` (sum) over one concatenated weight per distinct width + sparse SGD;
+    ``pooling="none"`` (sequence shards): ``F.embedding``, one vector per id."""
 
     def __init__(
         self,
@@ -230,8 +257,11 @@ class TorchKernel(DeviceKernel):
         batch_size: int,
         device: str | torch.device = "cpu",
         optimizer: str = "sgd",
+        pooling: str = "sum",
     ):
         super().__init__(shards, batch_size, device)
+        _check_pooling(pooling, self.shards)
+        self.pooling = pooling
         # Only SGD here: the torch backend is the portable fallback, not an optimizer zoo; timing
         # SGD for another optimizer's task would label the wrong update with that task's cost.
         check_torch_optimizer(optimizer)
@@ -261,10 +291,18 @@ class TorchKernel(DeviceKernel):
     def state_tensors(self) -> list[torch.Tensor]:
         return [w for _, _, w in self.groups]
 
+    def _group_forward(self, w: torch.Tensor, idx: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        if self.pooling == "none":
+            return torch.nn.functional.embedding(idx, w, sparse=True)
+        # include_last_offset: offsets has one entry per bag plus the end.
+        return torch.nn.functional.embedding_bag(idx, w, off, mode="sum", sparse=True, include_last_offset=True)
+
+    def forward(self, batch: DeviceBatch) -> list[torch.Tensor]:
+        return [self._group_forward(w, idx, off) for (_, _, w), (idx, off) in zip(self.groups, batch.per_shard)]
+
     def step(self, batch: DeviceBatch) -> None:
         for (_, _, w), (idx, off) in zip(self.groups, batch.per_shard):
-            # include_last_offset: offsets has one entry per bag plus the end.
-            out = torch.nn.functional.embedding_bag(idx, w, off, mode="sum", sparse=True, include_last_offset=True)
+            out = self._group_forward(w, idx, off)  # one group at a time: its output freed before the next
             out.backward(torch.full_like(out, 1e-3))
             with torch.no_grad():
                 w.add_(w.grad, alpha=-LEARNING_RATE)
@@ -288,6 +326,50 @@ def check_fbgemm_optimizer(optimizer: str, device: str | torch.device, task: str
                          f"times {', '.join(FBGEMM_CPU_OPTIMIZERS)}")
 
 
+def _check_pooling(pooling: str, shards: Sequence[ShardInput]) -> None:
+    """A pooled op holds pooled shards; an unpooled one sequence shards of one width."""
+    if pooling not in ("sum", "none"):
+        raise InputError(f"pooling must be 'sum' or 'none', got {pooling!r}")
+    sequence = pooling == "none"
+    wrong = [s.table.name for s in shards if s.table.is_sequence != sequence]
+    if wrong:
+        raise InputError(f"a pooling={pooling!r} kernel holds {'sequence' if sequence else 'pooled'} shards only; "
+                         f"got table(s) {wrong[:3]}")
+    if sequence and len({s.dim for s in shards}) > 1:
+        raise InputError(f"a pooling='none' kernel holds shards of one width; got {sorted({s.dim for s in shards})}")
+
+
+class GroupKernel(DeviceKernel):
+    """A device's pooled op and its unpooled ops (one per sequence width), stepped one after
+    another: the device's whole embedding step. Its batch holds the parts' inputs in order."""
+
+    def __init__(self, parts: Sequence[DeviceKernel]):
+        super().__init__([s for p in parts for s in p.shards], parts[0].batch_size, parts[0].device)
+        self.parts = list(parts)
+
+    def make_batch(self, rng: np.random.Generator) -> DeviceBatch:
+        got = [p.make_batch(rng) for p in self.parts]
+        self._counts = [len(b.per_shard) for b in got]
+        return DeviceBatch([x for b in got for x in b.per_shard], self.batch_size)
+
+    def _split(self, batch: DeviceBatch) -> list[DeviceBatch]:
+        out, at = [], 0
+        for n in self._counts:
+            out.append(DeviceBatch(batch.per_shard[at:at + n], batch.batch_size))
+            at += n
+        return out
+
+    def forward(self, batch: DeviceBatch) -> list[torch.Tensor]:
+        return [x for part, b in zip(self.parts, self._split(batch)) for x in part.forward(b)]
+
+    def step(self, batch: DeviceBatch) -> None:
+        for part, b in zip(self.parts, self._split(batch)):
+            part.step(b)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for p in self.parts for t in p.state_tensors()]
+
+
 def make_kernel(
     backend: str,
     shards: Sequence[ShardInput],
@@ -295,11 +377,21 @@ def make_kernel(
     device: str | torch.device = "cpu",
     optimizer: str = "sgd",
 ) -> DeviceKernel:
-    """The kernel `backend` builds for one device's shards."""
+    """The kernel `backend` builds for one device's shards: one pooled op, plus one unpooled
+    op per width of the device's sequence shards (a `GroupKernel` when there are several)."""
     if backend == "fbgemm":
         if "fbgemm" not in available_backends():
             raise InputError("backend 'fbgemm' requested but fbgemm_gpu cannot be imported; use backend='torch'")
-        return FbgemmKernel(shards, batch_size, device, optimizer)
-    if backend == "torch":
-        return TorchKernel(shards, batch_size, device, optimizer)
-    raise InputError(f"unknown hardware backend {backend!r}; one of {list(BACKENDS)}")
+        cls: type = FbgemmKernel
+    elif backend == "torch":
+        cls = TorchKernel
+    else:
+        raise InputError(f"unknown hardware backend {backend!r}; one of {list(BACKENDS)}")
+    pooled = [s for s in shards if not s.table.is_sequence]
+    by_width: dict[int, list[ShardInput]] = {}
+    for s in shards:
+        if s.table.is_sequence:
+            by_width.setdefault(s.dim, []).append(s)
+    parts = ([cls(pooled, batch_size, device, optimizer)] if pooled or not shards else [])
+    parts += [cls(by_width[w], batch_size, device, optimizer, pooling="none") for w in sorted(by_width)]
+    return parts[0] if len(parts) == 1 else GroupKernel(parts)

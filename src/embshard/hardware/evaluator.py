@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -233,7 +234,8 @@ class HardwareEvaluator:
                 raise InputError(
                     f"plan {plan.algorithm!r} replicates pooled table(s) {replicated[:3]} (data_parallel), which the "
                     "kernel measurement does not model; measure it as TorchRec's DMP step: hardware=dmp_cpu")
-            shard_sets.extend([ShardInput(tables[s.table], s) for s in on] for on in plan.by_device(d))
+            copies = Counter(s.rectangle for s in plan.shards)  # a sequence copy serves its share of the samples
+            shard_sets.extend([ShardInput(tables[s.table], s, copies[s.rectangle]) for s in on] for on in plan.by_device(d))
 
         kw = dict(backend=self.backend, device=self.device, optimizer=task.optimizer, protocol=protocol, seed=self.seed,
                   progress=self.progress, max_cached_bytes=self.max_cached_bytes)
@@ -253,7 +255,7 @@ class HardwareEvaluator:
             for plan, timings in zip(plans, per_plan):
                 c = [t.median_ms for t in timings]
                 lo = min(c)
-                configs.append(CommConfig.make(plan.device_widths(d), [x - lo for x in c]))
+                configs.append(CommConfig.make(plan.device_widths(d, tables), [x - lo for x in c]))
             with self._network(task) as cluster:
                 comm = measure_comm(
                     configs,

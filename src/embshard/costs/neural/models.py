@@ -172,7 +172,7 @@ class NeuralCostModels:
         view, _ = planning_view(task)
         p = self.at_batch(task.batch_size)
         compute = p.compute_ms(device_pieces(view, plan))
-        widths = np.array(plan.device_widths(task.num_devices), dtype=np.float64)
+        widths = np.array(plan.device_widths(task.num_devices, task.table_by_name), dtype=np.float64)
         fw, bw = p.comm_ms(widths, compute - compute.min())
         return DeviceCosts(compute_ms=[float(x) for x in compute], forward_comm_ms=[float(x) for x in fw],
                            backward_comm_ms=[float(x) for x in bw])
@@ -185,8 +185,8 @@ class NeuralCostModels:
         p = self.at_batch(task.batch_size)
         per_device = p.envelope_reasons(device_pieces(view, plan))
         compute = p.compute_ms(device_pieces(view, plan))
-        comm = self.envelope.check_comm(plan.device_widths(task.num_devices), list(compute - compute.min()), task.batch_size)
-        widths = np.array([plan.device_widths(task.num_devices)], dtype=np.float64)
+        comm = self.envelope.check_comm(plan.device_widths(task.num_devices, task.table_by_name), list(compute - compute.min()), task.batch_size)
+        widths = np.array([plan.device_widths(task.num_devices, task.table_by_name)], dtype=np.float64)
         fallback = p.comm_fallback_reasons(widths, (compute - compute.min())[None])[0]
         out = {d: r for d, r in enumerate(per_device) if r}
         return {

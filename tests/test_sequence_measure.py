@@ -1,0 +1,174 @@
+"""Sequence tables under evaluate=estimated / measured: unpooled kernels, each copy's share of the
+samples, all-to-all widths of one vector per id, and the caveat shard.py writes beside them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from embshard.compare import sequence_caveat
+from embshard.errors import InputError
+from embshard.hardware import compute as compute_mod
+from embshard.hardware.backends import FbgemmKernel, GroupKernel, ShardInput, TorchKernel, make_kernel, shard_batch
+from embshard.hardware.evaluator import HardwareEvaluator
+from embshard.plan import Plan, Shard
+from embshard.tables import Table
+from embshard.task import Task
+
+from test_hardware import BACKENDS, need_backend, proto
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def whole(t: Table, device: int = 0, copies: int = 1) -> ShardInput:
+    return ShardInput(t, Shard.whole(t, device), copies)
+
+
+def weights(kernel) -> list[np.ndarray]:
+    """Every weight of a kernel, per op / weight group, in the kernel's order."""
+    if isinstance(kernel, GroupKernel):
+        return [w for p in kernel.parts for w in weights(p)]
+    if isinstance(kernel, FbgemmKernel):
+        return [w.detach().clone().numpy() for w in kernel.op.split_embedding_weights()]
+    return [w.detach().clone().numpy() for _, _, w in kernel.groups]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_device_of_both_kinds_runs_one_pooled_op_and_one_unpooled_op_per_width(backend):
+    """A pooled table and sequence tables of widths 8 and 16: three ops; the pooled one returns a
+    sum per sample, each unpooled one a vector per id; one step moves every looked-up row of every
+    op by -lr x count x 1e-3 (the output gradient), as the pooled kernel does."""
+    need_backend(backend)
+    p = Table("p", 40, 4, 3.0)
+    s8 = Table("s8", 30, 8, 5.0, kind="sequence")
+    s16 = Table("s16", 20, 16, 2.0, kind="sequence")
+    shards = [whole(s16), whole(p), whole(s8)]
+    k = make_kernel(backend, shards, 12)
+    assert isinstance(k, GroupKernel) and len(k.parts) == 3
+    assert [sorted(x.table.name for x in part.shards) for part in k.parts] == [["p"], ["s8"], ["s16"]]
+    rng = np.random.default_rng(3)
+    draws = shard_batch([whole(p), whole(s8), whole(s16)], 12, np.random.default_rng(3)).per_shard
+    batch = k.make_batch(rng)  # the same draws, in the parts' order
+    outs = k.forward(batch)
+    assert [tuple(o.shape) for o in outs] == [(12, 4), (draws[1][0].numel(), 8), (draws[2][0].numel(), 16)]
+    assert draws[1][0].numel() > 12  # more ids than samples: unpooled outputs are not per sample
+    before = weights(k)
+    k.step(batch)
+    after = weights(k)
+    for (idx, _), (t, b, a) in zip(draws, zip((p, s8, s16), before, after)):
+        counts = np.bincount(idx.numpy(), minlength=t.rows)
+        np.testing.assert_allclose(a, b - 0.01 * 1e-3 * counts[:, None], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernels_refuse_the_wrong_kind_or_mixed_widths_unpooled(backend):
+    need_backend(backend)
+    cls = FbgemmKernel if backend == "fbgemm" else TorchKernel
+    p, s = Table("p", 10, 4, 1.0), Table("s", 10, 4, 2.0, kind="sequence")
+    with pytest.raises(InputError, match="pooled shards only"):
+        cls([whole(s)], 4)
+    with pytest.raises(InputError, match="sequence shards only"):
+        cls([whole(p)], 4, pooling="none")
+    with pytest.raises(InputError, match="one width"):
+        cls([whole(s), whole(Table("s2", 10, 8, 2.0, kind="sequence"))], 4, pooling="none")
+    assert not isinstance(make_kernel(backend, [whole(p)], 4), GroupKernel)  # pooled only: one op, as before
+
+
+def test_each_copy_of_a_sequence_piece_serves_its_share_of_the_samples():
+    """Copy r of k keeps the ids of samples s with s % k == r (bags stay [batch + 1]); the copies
+    together see every id once. A pooled shard ignores copies (each copy pools its own batch)."""
+    s = Table("s", 200, 4, 6.0, kind="sequence")
+    full = shard_batch([whole(s)], 64, np.random.default_rng(1)).per_shard[0]
+    lengths = (full[1][1:] - full[1][:-1]).numpy()
+    got = []
+    for r in range(3):
+        piece = ShardInput(s, Shard("s", r, 0, 4, 0, 200, replica=r), copies=3)
+        idx, off = shard_batch([piece], 64, np.random.default_rng(1)).per_shard[0]
+        mine = (off[1:] - off[:-1]).numpy()
+        assert off.numel() == 65
+        np.testing.assert_array_equal(mine, np.where(np.arange(64) % 3 == r, lengths, 0))
+        got.append(idx)
+    assert sorted(torch.cat(got).tolist()) == sorted(full[0].tolist())
+    p = Table("p", 200, 4, 6.0)
+    a = shard_batch([whole(p)], 64, np.random.default_rng(1)).per_shard[0]
+    b = shard_batch([ShardInput(p, Shard("p", 1, 0, 4, 0, 200, replica=1), copies=3)], 64,
+                    np.random.default_rng(1)).per_shard[0]
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_device_widths_count_one_vector_per_id_for_sequence_pieces():
+    s = Table("s", 100, 8, 5.0, kind="sequence")
+    p = Table("p", 100, 4, 1.0, num_poolings=2.0)
+    tables = {"s": s, "p": p}
+    cases = [
+        # whole sequence table: 8 columns x 5 ids per sample; a pooled table read by 2 features: 2 x 4
+        ([Shard.whole(s, 0), Shard.whole(p, 1)], [40, 8, 0]),
+        # row halves: each serves half the ids
+        ([Shard("s", 0, 0, 8, 0, 50), Shard("s", 2, 0, 8, 50, 50), Shard.whole(p, 1)], [20, 8, 20]),
+        # the first 20 rows in 2 copies serve 20% of the ids, half on each; the rest 80% on device 2
+        ([Shard("s", 0, 0, 8, 0, 20), Shard("s", 1, 0, 8, 0, 20, replica=1), Shard("s", 2, 0, 8, 20, 80),
+          Shard.whole(p, 1)], [4, 12, 32]),
+        # a rectangle on every device: each id is looked up where its sample is
+        ([Shard("s", d, 0, 8, 0, 100, replica=d) for d in range(3)] + [Shard.whole(p, 0)], [8, 0, 0]),
+    ]
+    for shards, expected in cases:
+        plan = Plan("t", "x", shards)
+        assert plan.device_widths(3, tables) == expected, shards
+    # without the tables, every piece counts as a pooled one of one feature (the old contract)
+    assert Plan("t", "x", cases[0][0]).device_widths(3) == [8, 4, 0]
+
+
+def seq_task(devices: int = 2) -> Task:
+    return Task("seqm", devices, 256 * 2**20, 64,
+                (Table("s", 400, 8, 6.0, kind="sequence"), Table("p", 300, 4, 2.0)))
+
+
+def test_the_evaluator_times_each_copy_of_a_sequence_piece_on_its_share(monkeypatch):
+    """measure_many hands the kernels each rectangle's number of copies, and the all-to-all the
+    sequence widths."""
+    seen = []
+    real = compute_mod.make_kernel
+
+    def spy(backend, shards, *a, **k):
+        seen.append(sorted((s.table.name, s.shard.replica, s.copies) for s in shards))
+        return real(backend, shards, *a, **k)
+
+    monkeypatch.setattr(compute_mod, "make_kernel", spy)
+    task = seq_task()
+    plan = Plan("seqm", "copies", [Shard.whole(task.tables[0], 0), Shard("s", 1, 0, 8, 0, 400, replica=1),
+                                   Shard.whole(task.tables[1], 1)])
+    ev = HardwareEvaluator(backend="torch", comm_backend=None, protocol=proto(0, 1))
+    (costs,) = ev.measure_many(task, [plan])
+    assert seen == [[("s", 0, 2)], [("p", 0, 1), ("s", 1, 2)]]
+    assert all(c > 0 for c in costs.compute_ms)
+    # replicated on both devices: every id local, so only the pooled table sends
+    assert plan.device_widths(2, task.table_by_name) == [0, 4]
+
+
+def test_sequence_caveat_names_what_the_evaluation_leaves_out():
+    task = seq_task()
+    for mode in ("estimated", "measured"):
+        line = sequence_caveat(task, mode)
+        assert line is not None and "'s'" in line and "uniform row shares" in line and "evaluate=traffic" in line
+        assert "\n" not in line
+    assert "unpooled" in sequence_caveat(task, "measured") and "as pooled" in sequence_caveat(task, "estimated")
+    assert sequence_caveat(task, "traffic") is None and sequence_caveat(task, "none") is None
+    pooled = Task("pooled", 2, 256 * 2**20, 64, (Table("p", 300, 4, 2.0),))
+    assert sequence_caveat(pooled, "measured") is None
+
+
+def test_shard_py_writes_the_caveat_beside_estimates_of_sequence_tables(tmp_path, capsys):
+    from test_shard_cli import run_shard_here
+
+    out = tmp_path / "out"
+    proc = run_shard_here(f"task_file={ROOT / 'examples' / 'tasks' / 'sequence.json'}", "algorithms=[row_wise,flexshard]",
+                          "evaluate=estimated", "plot=false", f"out_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["caveats"]) == {"sequence"}
+    assert report["caveats"]["sequence"] in proc.stdout
+    assert all(r["valid"] and r["estimated_cost_ms"] > 0 for r in report["results"])
