@@ -240,19 +240,37 @@ def test_sequence_algorithms_refuse_a_pooled_task(capsys, tmp_path):
     assert sorted(p.name for p in (out / "plans").iterdir()) == ["size_greedy.json"]
 
 
-def test_pooled_planners_refuse_sequence_tables_and_sequence_ones_take_mixed_tasks(capsys, tmp_path):
+def test_pooled_planners_plan_the_pooled_part_of_mixed_tasks_and_refuse_sequence_only_ones(capsys, tmp_path):
+    """On a task of both kinds a planner of pooled tables plans its pooled tables, the sequence
+    tables placed whole around them (search_info.mixed says so, no `_pick` row of the pooled part
+    alone); on a task of sequence tables only it is refused, naming who plans them."""
     tables = (Table("s0", 300, 8, 4.0, kind="sequence"), Table("s1", 2000, 16, 3.0, kind="sequence"),
-              Table("p0", 500, 8, 2.0))
+              Table("p0", 500, 8, 2.0), Table("p1", 900, 16, 5.0))
     task = Task("mixed", 4, 1 << 30, 64, tables, devices_per_host=2)
     code, _, err, out = run_in_process(capsys, tmp_path, task, "evaluate=none", f"algorithms=[{','.join(POOLED_ONLY)},"
                                        "table_wise,row_wise,flexshard]", "searchers.flexshard.fit_batches=1")
     assert code == 0, err
+    results = report(out)["results"]
+    by = {r["algorithm"]: r for r in results}
+    assert not any(r["algorithm"].endswith("_pick") for r in results)
+    for name in POOLED_ONLY:
+        assert by[name]["valid"], by[name]["error"]
+        assert by[name]["search_info"]["mixed"] == {"sequence_planner": "size_lookup_greedy", "sequence_tables": 2,
+                                                    "pooled_tables": 2,
+                                                    "reserved_bytes": by[name]["search_info"]["mixed"]["reserved_bytes"]}
+        plan = Plan.load(out / "plans" / f"{name}.json")
+        assert {s.table for s in plan.shards} == {t.name for t in tables}
+        for t in ("s0", "s1"):  # placed whole
+            assert [(s.rows, s.dim) for s in plan.shards if s.table == t] == [(task.table(t).rows, task.table(t).dim)]
+    assert all(by[n]["valid"] for n in ("table_wise", "row_wise", "flexshard"))
+    seq_only = Task("seq", 4, 1 << 30, 64, tables[:2], devices_per_host=2)
+    code, _, err, out = run_in_process(capsys, tmp_path / "seq", seq_only, "evaluate=none",
+                                       f"algorithms=[{','.join(POOLED_ONLY)},table_wise]")
+    assert code == 0, err
     by = {r["algorithm"]: r for r in report(out)["results"]}
     for name in POOLED_ONLY:
-        assert by[name]["error"] == (f"refused: {name} plans pooled tables only; task 'mixed' has sequence table(s) "
-                                     "'s0', 's1' (size_lookup_greedy and the other table-wise heuristics plan both kinds, "
-                                     "flexshard too)")
-    assert all(by[n]["valid"] for n in ("table_wise", "row_wise", "flexshard"))
+        assert by[name]["error"] == (f"refused: {name} is meant for pooled tables; task 'seq' has only sequence tables "
+                                     "(flexshard, row_wise and size_lookup_greedy plan sequence tables)")
 
 
 def test_torchrec_export_of_replicas_is_data_parallel_or_one_line():

@@ -172,3 +172,24 @@ def test_shard_py_writes_the_caveat_beside_estimates_of_sequence_tables(tmp_path
     assert set(report["caveats"]) == {"sequence"}
     assert report["caveats"]["sequence"] in proc.stdout
     assert all(r["valid"] and r["estimated_cost_ms"] > 0 for r in report["results"])
+
+
+def test_a_guarded_planner_on_a_task_of_both_kinds_is_measured_whole(capsys, tmp_path):
+    """evaluate=measured on a task of both kinds: NeuroShard plans the pooled tables (its guard
+    measuring them), the sequence tables placed around them; the whole plan is measured, the
+    caveat printed; no `neuroshard_pick` row, whose plan would hold the pooled tables only."""
+    from test_honest_runs import report, run_in_process
+
+    tables = (Table("s0", 3000, 8, 6.0, kind="sequence"), Table("p0", 5000, 8, 2.0), Table("p1", 900, 16, 5.0),
+              Table("p2", 2000, 4, 1.0))
+    task = Task("both", 2, 64 * 2**20, 128, tables)
+    code, stdout, err, out = run_in_process(capsys, tmp_path, task, "evaluate=measured", "measure=quick", "plot=false",
+                                            "algorithms=[neuroshard,size_lookup_greedy]")
+    assert code == 0, err
+    rep = report(out)
+    by = {r["algorithm"]: r for r in rep["results"]}
+    assert set(by) == {"neuroshard", "size_lookup_greedy"}
+    ns = by["neuroshard"]
+    assert ns["valid"] and ns["guard"] is not None and ns["search_info"]["mixed"]["sequence_tables"] == 1
+    assert all(r["measured_cost_ms"] > 0 for r in by.values())
+    assert rep["caveats"]["both"] in stdout

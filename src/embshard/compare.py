@@ -155,13 +155,18 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
               catalogue: Mapping[str, Capabilities] | None = None) -> list[Result]:
     """Run every sharder on `task`; a plan that fails or breaks a rule is recorded, never kept.
 
-    An algorithm not meant for the task's table kinds is refused (`refusal`) without running.
+    An algorithm not meant for the task's table kinds is refused (`refusal`) without running;
+    a planner of pooled tables on a task of both kinds plans the pooled tables, around the
+    sequence tables (`embshard.search.mixed`, as `embshard.plan` does; `search_info.mixed`).
     `catalogue`: the capabilities of every algorithm the caller knows by name (default: those
     of `sharders`), for the hints of infeasibility errors (`infeasible_hint`)."""
+    from embshard.search.mixed import is_mixed, shard_mixed
+
     catalogue = {**(catalogue or {}), **{name: s.capabilities for name, s in sharders.items()}}
     results = []
     for name, sharder in sharders.items():
-        reason = refusal(name, sharder.capabilities, task)
+        mixed = is_mixed(sharder.capabilities, task)
+        reason = None if mixed else refusal(name, sharder.capabilities, task)
         if reason is not None:
             log.warning("%s on %s: refused: %s", name, task.name, reason)
             results.append(Result(task.name, name, valid=False, error=f"refused: {reason}"))
@@ -169,7 +174,12 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
         start = time.perf_counter()
         try:
             # tables whose sharding_types leave out table_wise are shaped first (search/constrained.py)
-            plan = shard_constrained(sharder, task)
+            mixed_info = None
+            if mixed:
+                both = shard_mixed(task, lambda pooled, sharder=sharder: shard_constrained(sharder, pooled), name)
+                plan, mixed_info = both.plan, both.info()
+            else:
+                plan = shard_constrained(sharder, task)
             seconds = time.perf_counter() - start
             plan.algorithm = name
             validate(task, plan)
@@ -184,18 +194,21 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
         # A sharder may report its own pure search time (TorchRec's excludes model building).
         seconds = getattr(sharder, "last_search_seconds", None) or seconds
         guard = sharder.last_guard if isinstance(sharder, GuardedSharder) else None
-        info = getattr(sharder, "last_search_info", None)
+        info = dict(getattr(sharder, "last_search_info", None) or {})
+        if mixed_info is not None:  # the search and its guard saw the pooled tables only
+            info["mixed"] = mixed_info
         results.append(
             Result(task.name, name, valid=True, plan=plan, search_seconds=seconds, memory_bytes=plan.memory_bytes(task),
                    pieces=pieces_per_device(task, plan), guard=guard.to_dict() if guard is not None else None,
-                   search_info=dict(info) if info else None)
+                   search_info=info or None)
         )
-        if guard is not None and not needs_reduction(task):  # its pick is of the shaped task
+        # its pick is of the shaped task (of the pooled tables alone on a task of both kinds: no row)
+        if guard is not None and not needs_reduction(task) and mixed_info is None:
             # the search's own pick beside the guarded one, so the model's quality stays visible
             pick = Plan(task.name, f"{name}{PICK_SUFFIX}", list(sharder.last_search_pick.shards))
             results.append(Result(task.name, pick.algorithm, valid=True, plan=pick,
                                   search_seconds=seconds - guard.measure_seconds, memory_bytes=pick.memory_bytes(task),
-                                  pieces=pieces_per_device(task, pick), search_info=dict(info) if info else None))
+                                  pieces=pieces_per_device(task, pick), search_info=info or None))
     return results
 
 
