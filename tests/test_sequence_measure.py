@@ -176,8 +176,9 @@ def test_shard_py_writes_the_caveat_beside_estimates_of_sequence_tables(tmp_path
 
 def test_a_guarded_planner_on_a_task_of_both_kinds_is_measured_whole(capsys, tmp_path):
     """evaluate=measured on a task of both kinds: NeuroShard plans the pooled tables (its guard
-    measuring them), the sequence tables placed around them; the whole plan is measured, the
-    caveat printed; no `neuroshard_pick` row, whose plan would hold the pooled tables only."""
+    measuring them), the sequence tables placed around them, and the whole plan guarded against
+    the heuristics' plans of the whole task; the caveat printed; no `neuroshard_pick` row, whose
+    plan would hold the pooled tables only."""
     from test_honest_runs import report, run_in_process
 
     tables = (Table("s0", 3000, 8, 6.0, kind="sequence"), Table("p0", 5000, 8, 2.0), Table("p1", 900, 16, 5.0),
@@ -190,6 +191,54 @@ def test_a_guarded_planner_on_a_task_of_both_kinds_is_measured_whole(capsys, tmp
     by = {r["algorithm"]: r for r in rep["results"]}
     assert set(by) == {"neuroshard", "size_lookup_greedy"}
     ns = by["neuroshard"]
-    assert ns["valid"] and ns["guard"] is not None and ns["search_info"]["mixed"]["sequence_tables"] == 1
+    assert ns["valid"] and ns["search_info"]["mixed"]["sequence_tables"] == 1
+    # report.json's guard is the whole plan's, against the heuristics of the whole task; the guard
+    # of the pooled tables alone is kept beside the mixed record
+    assert ns["guard"]["candidates"][0]["label"] == "neuroshard#1"
+    assert any(c["label"] == "size_lookup_greedy" for c in ns["guard"]["candidates"])
+    assert ns["search_info"]["mixed"]["pooled_guard"]["candidates"][0]["label"] == "neuroshard#1"
     assert all(r["measured_cost_ms"] > 0 for r in by.values())
     assert rep["caveats"]["both"] in stdout
+
+
+class CostByPlan:
+    """Measures a plan by a rule on it (a stand-in for the hardware in a test of the guard's logic)."""
+
+    def __init__(self, cost):
+        self.cost, self.calls = cost, []
+
+    def measure_many(self, task, plans, visits=None):
+        from embshard.costs.base import DeviceCosts
+
+        self.calls.append([p.algorithm for p in plans])
+        return [DeviceCosts([self.cost(p)] * task.num_devices, [0.0] * task.num_devices, [0.0] * task.num_devices)
+                for p in plans]
+
+
+@pytest.mark.parametrize("two_part_cheaper", [True, False])
+def test_the_whole_plan_of_a_task_of_both_kinds_is_guarded_against_the_heuristics_of_the_whole_task(two_part_cheaper):
+    """NeuroShard with hardware on a task of both kinds: after its own guard on the pooled tables,
+    the whole two-part plan is measured against every heuristic's plan of the whole task; it is kept
+    only where shown better, else the best heuristic's plan, under NeuroShard's name."""
+    from embshard.api import plan_with_info
+    from embshard.search.neuroshard import NeuroShardSharder
+
+    tables = (Table("s0", 3000, 8, 6.0, kind="sequence"), Table("s1", 800, 16, 3.0, kind="sequence")) + tuple(
+        Table(f"p{i}", 500 * (i + 1), 4 * (1 + i % 3), 1.0 + i) for i in range(6))
+    task = Task("both", 2, 64 * 2**20, 128, tables)  # where the two-part plan is no heuristic's
+    sharder = NeuroShardSharder(checkpoint=None)
+    # whole-task plans hold the sequence table; the pooled guard's plans do not
+    two_part = {"neuroshard": 1.0 if two_part_cheaper else 3.0}
+    ev = CostByPlan(lambda p: (two_part.get(p.algorithm, 2.0) if any(s.table == "s0" for s in p.shards)
+                               else (1.0 if p.algorithm == "neuroshard" else 2.0)))
+    plan, info = plan_with_info(task, sharder, "neuroshard", hardware=ev)
+    g = info["guard"]
+    assert [c["label"] for c in g["candidates"]][0] == "neuroshard#1"
+    assert {c["label"] for c in g["candidates"] if c["source"] == "heuristic"} >= {"size_lookup_greedy", "lookup_greedy"}
+    assert plan.algorithm == "neuroshard" and {s.table for s in plan.shards} == {t.name for t in tables}
+    if two_part_cheaper:
+        assert g["decision"]["verdict"] == "better" and g["chosen"] == "neuroshard#1"
+    else:
+        assert g["decision"]["verdict"] == "worse" and g["chosen"] != "neuroshard#1"
+        assert g["chosen"] in {c["label"] for c in g["candidates"] if c["source"] == "heuristic"}
+    assert sharder.last_guard is not None  # its own guard ran on the pooled tables first

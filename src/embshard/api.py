@@ -129,7 +129,7 @@ def plan_with_info(task: Task, sharder: Any, name: str, hardware: Any = None) ->
     task of both kinds for a planner of pooled tables, else None)."""
     from embshard.compare import refusal
     from embshard.search.constrained import shard_constrained
-    from embshard.search.mixed import is_mixed, shard_mixed
+    from embshard.search.mixed import guard_mixed, is_mixed, shard_mixed
 
     mixed = is_mixed(sharder.capabilities, task)
     reason = None if mixed else refusal(name, sharder.capabilities, task)
@@ -144,7 +144,10 @@ def plan_with_info(task: Task, sharder: Any, name: str, hardware: Any = None) ->
     info = None
     if mixed:
         both = shard_mixed(task, lambda pooled: shard_constrained(sharder, pooled), name)
-        result, info = both.plan, both.info()
+        info = both.info()
+        result, whole_guard = guard_mixed(task, both, sharder, name)
+        if whole_guard is not None:  # with hardware: the whole plan measured against the heuristics'
+            info["guard"] = whole_guard
     else:
         result = shard_constrained(sharder, task)
     result.algorithm = name

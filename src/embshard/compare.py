@@ -160,7 +160,7 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
     sequence tables (`embshard.search.mixed`, as `embshard.plan` does; `search_info.mixed`).
     `catalogue`: the capabilities of every algorithm the caller knows by name (default: those
     of `sharders`), for the hints of infeasibility errors (`infeasible_hint`)."""
-    from embshard.search.mixed import is_mixed, shard_mixed
+    from embshard.search.mixed import guard_mixed, is_mixed, shard_mixed
 
     catalogue = {**(catalogue or {}), **{name: s.capabilities for name, s in sharders.items()}}
     results = []
@@ -174,10 +174,11 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
         start = time.perf_counter()
         try:
             # tables whose sharding_types leave out table_wise are shaped first (search/constrained.py)
-            mixed_info = None
+            mixed_info = whole_guard = None
             if mixed:
                 both = shard_mixed(task, lambda pooled, sharder=sharder: shard_constrained(sharder, pooled), name)
-                plan, mixed_info = both.plan, both.info()
+                mixed_info = both.info()
+                plan, whole_guard = guard_mixed(task, both, sharder, name)
             else:
                 plan = shard_constrained(sharder, task)
             seconds = time.perf_counter() - start
@@ -194,13 +195,16 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
         # A sharder may report its own pure search time (TorchRec's excludes model building).
         seconds = getattr(sharder, "last_search_seconds", None) or seconds
         guard = sharder.last_guard if isinstance(sharder, GuardedSharder) else None
+        guard_dict = guard.to_dict() if guard is not None else None
         info = dict(getattr(sharder, "last_search_info", None) or {})
         if mixed_info is not None:  # the search and its guard saw the pooled tables only
             info["mixed"] = mixed_info
+            if guard_dict is not None:
+                info["mixed"]["pooled_guard"] = guard_dict
+            guard_dict = whole_guard  # the guard of the whole plan decided what was kept
         results.append(
             Result(task.name, name, valid=True, plan=plan, search_seconds=seconds, memory_bytes=plan.memory_bytes(task),
-                   pieces=pieces_per_device(task, plan), guard=guard.to_dict() if guard is not None else None,
-                   search_info=info or None)
+                   pieces=pieces_per_device(task, plan), guard=guard_dict, search_info=info or None)
         )
         # its pick is of the shaped task (of the pooled tables alone on a task of both kinds: no row)
         if guard is not None and not needs_reduction(task) and mixed_info is None:

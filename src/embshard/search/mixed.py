@@ -18,7 +18,12 @@ TorchRec model often has an `EmbeddingCollection` of sequence tables beside its
    large for one device), or its sharding_types leave out table_wise, step 1's placement of the
    sequence tables is kept, which fits (every
    device has the reservation free);
-4. the two together, validated on the whole task.
+4. the two together, validated on the whole task;
+5. where the planner has a measured guard and hardware (shard.py `evaluate=measured`, or
+   `embshard.plan(..., hardware=...)`), that guard measures the whole plan against the
+   heuristics' plans of the whole task, which plan both kinds (`guard_mixed`): its own guard
+   saw the pooled tables only, and how the sequence tables were placed beside them is judged by
+   no model. The heuristic's plan is kept unless the two-part plan is shown better.
 
 The planner's estimate covers its pooled tables only. Where the pooled tables do not fit beside the reservation,
 the whole task is planned by `SEQUENCE_PLANNER` instead, with a warning naming why, and
@@ -149,3 +154,18 @@ def _place_by_work(task: Task, pooled_plan: Plan, seq_plan: Plan) -> Plan | None
         order.settle(d, (work[d], -ledger.free[d], d))
         shards.append(Shard.whole(t, d))
     return Plan(task.name, seq_plan.algorithm, shards)
+
+
+def guard_mixed(task: Task, result: MixedResult, sharder: Any, name: str) -> tuple[Plan, dict[str, Any] | None]:
+    """Step 5 of the module docstring: (the plan kept, what the whole-task guard did as
+    report.json's `guard`; None where it did not run: no guard, no hardware, verify 0, or the
+    whole task already fell back to `SEQUENCE_PLANNER`)."""
+    from embshard.search.guard import MeasuredGuard
+
+    guard, evaluator = getattr(sharder, "guard", None), getattr(sharder, "evaluator", None)
+    if (result.fallback is not None or not isinstance(guard, MeasuredGuard) or evaluator is None
+            or getattr(sharder, "verify_count", 0) <= 0):
+        return result.plan, None
+    plan, done = guard.run(task, [(f"{name}#1", result.plan)], evaluator, lambda p: None, name)
+    plan.algorithm = name
+    return plan, done.to_dict()
