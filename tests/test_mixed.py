@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import embshard
-from embshard import InfeasibleError, Table, Task, validate
+from embshard import InfeasibleError, Plan, Shard, Table, Task, validate
 from embshard.api import plan_with_info
 from embshard.search.baselines import GreedySharder
 from embshard.search.mixed import SEQUENCE_PLANNER, shard_mixed
@@ -33,17 +33,47 @@ def test_example_task_neuroshard_plans_its_pooled_table_and_the_sequence_tables_
     # the pooled part is NeuroShard's own plan of the pooled tables in the memory left beside the
     # sequence tables' reservation (the most any device's sequence tables take)
     _, info = plan_with_info(task, embshard.api.searcher("neuroshard"), "neuroshard")
-    seq_alone = GreedySharder("size_lookup").shard(dataclasses.replace(
-        task, tables=tuple(t for t in task.tables if t.is_sequence)))
+    # clicked_items reads more than an even share of the step's bytes alone: TorchRec's row blocks,
+    # one per device; searched_terms by the heuristic in the memory the blocks leave
+    blocks = [Shard("clicked_items", d, 0, 32, 125_000 * d, 125_000) for d in range(4)]
+    taken = max(Plan(task.name, "x", blocks).memory_bytes(task))
+    rest = GreedySharder("size_lookup").shard(dataclasses.replace(
+        task, tables=(task.table("searched_terms"),), device_memory_bytes=task.device_memory_bytes - taken))
+    step1 = Plan(task.name, "x", blocks + list(rest.shards))
     assert info == {"sequence_planner": SEQUENCE_PLANNER, "sequence_tables": 2, "pooled_tables": 1,
-                    "reserved_bytes": max(seq_alone.memory_bytes(task))}
+                    "reserved_bytes": max(step1.memory_bytes(task)), "row_split": ["clicked_items"]}
+    assert sorted(map(repr, (s for s in plan.shards if s.table == "clicked_items"))) == sorted(map(repr, blocks))
     pooled = embshard.plan(dataclasses.replace(_pooled_only(task), device_memory_bytes=task.device_memory_bytes
                                                - info["reserved_bytes"]), algorithm="neuroshard")
     assert sorted(map(repr, (s for s in plan.shards if s.table == "user_id"))) == sorted(map(repr, pooled.shards))
-    # no sequence table lands on a device that holds a piece of the pooled table while one holds nothing
+    # the whole sequence table does not land on a device that holds a piece of the pooled table
+    # while one holds none (every device holds a block of clicked_items alike)
     busy = {s.device for s in pooled.shards}
     assert len(busy) < task.num_devices
-    assert all(s.device not in busy for s in plan.shards if s.table != "user_id")
+    assert all(s.device not in busy for s in plan.shards if s.table == "searched_terms")
+
+
+def test_a_sequence_table_that_reads_more_than_an_even_share_is_cut_into_row_blocks_and_the_rest_placed_by_work():
+    # 2 devices; work = batch x lookups x dim x 4: s0 256 x 30 x 32 = 245,760 x 4, the rest together
+    # p0 256 x 2 x 16 + s1 256 x 4 x 8 + p1 256 x 1 x 8 = 18,432 x 4: s0 alone is over the even share
+    # (132,096 x 4): a block of 500 rows on each device; the other sequence table whole by work
+    tables = (Table("p0", 800, 16, 2.0), Table("s0", 1000, 32, 30.0, kind="sequence"),
+              Table("s1", 600, 8, 4.0, kind="sequence"), Table("p1", 300, 8, 1.0))
+    task = Task("heavy", 2, 64 * MiB, 256, tables)
+    got = shard_mixed(task, GreedySharder("lookup", name="lookup_greedy").shard, "lookup_greedy")
+    validate(task, got.plan)
+    assert got.row_split == ("s0",) and got.info()["row_split"] == ["s0"]
+    assert sorted((s.device, s.row_offset, s.rows) for s in got.plan.shards if s.table == "s0") == [(0, 0, 500), (1, 500, 500)]
+    where = {s.table: s.device for s in got.plan.shards if s.table != "s0"}
+    # lookup_greedy: p0 (8,192 x 4) on device 0, p1 (2,048 x 4) on device 1; s1 (8,192 x 4) to device 1
+    assert where == {"p0": 0, "p1": 1, "s1": 1}
+    # not cut: where its sharding_types leave out row_wise, or where it is no heavier than an even share
+    tw = dataclasses.replace(task, tables=tuple(dataclasses.replace(t, sharding_types=("table_wise",)) if t.name == "s0"
+                                               else t for t in tables))
+    assert shard_mixed(tw, GreedySharder("lookup", name="lookup_greedy").shard, "x").row_split == ()
+    light = dataclasses.replace(task, tables=tuple(dataclasses.replace(t, pooling_factor=1.0) if t.name == "s0"
+                                                  else t for t in tables))
+    assert shard_mixed(light, GreedySharder("lookup", name="lookup_greedy").shard, "x").row_split == ()
 
 
 def test_sequence_tables_go_largest_first_to_the_least_worked_device_with_room():

@@ -157,6 +157,9 @@ def test_sequence_caveat_names_what_the_evaluation_leaves_out():
         assert "\n" not in line
     assert "unpooled" in sequence_caveat(task, "measured") and "as pooled" in sequence_caveat(task, "estimated")
     assert sequence_caveat(task, "traffic") is None and sequence_caveat(task, "none") is None
+    # TorchRec's DMP step runs an EmbeddingCollection and routes every id: nothing left out
+    assert sequence_caveat(task, "measured", step="dmp") is None
+    assert sequence_caveat(task, "estimated", step="dmp") is not None
     pooled = Task("pooled", 2, 256 * 2**20, 64, (Table("p", 300, 4, 2.0),))
     assert sequence_caveat(pooled, "measured") is None
 
@@ -242,3 +245,45 @@ def test_the_whole_plan_of_a_task_of_both_kinds_is_guarded_against_the_heuristic
         assert g["decision"]["verdict"] == "worse" and g["chosen"] != "neuroshard#1"
         assert g["chosen"] in {c["label"] for c in g["candidates"] if c["source"] == "heuristic"}
     assert sharder.last_guard is not None  # its own guard ran on the pooled tables first
+
+
+def test_task_to_collections_holds_one_bag_collection_and_an_embedding_collection_per_width():
+    pytest.importorskip("torchrec")
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    from embshard.torchrec_bridge import collections_plan, task_to_collections, task_to_ebc
+
+    tables = (Table("s8", 300, 8, 4.0, kind="sequence"), Table("p", 500, 16, 2.0),
+              Table("s16", 200, 16, 3.0, kind="sequence"), Table("s8b", 100, 8, 2.0, kind="sequence"))
+    task = Task("kinds", 2, 1 << 30, 64, tables)
+    parts = task_to_collections(task)
+    assert list(parts) == ["ebc", "ec8", "ec16"]
+    assert isinstance(parts["ebc"], EmbeddingBagCollection) and isinstance(parts["ec8"], EmbeddingCollection)
+    assert [c.name for c in parts["ebc"].embedding_bag_configs()] == ["p"]
+    assert [c.name for c in parts["ec8"].embedding_configs()] == ["s8", "s8b"]
+    assert [(c.name, c.embedding_dim) for c in parts["ec16"].embedding_configs()] == [("s16", 16)]
+    plan = Plan("kinds", "x", [Shard.whole(tables[0], 0), Shard.whole(tables[1], 1), Shard.whole(tables[2], 1),
+                               Shard("s8b", 0, 0, 8, 0, 50), Shard("s8b", 1, 0, 8, 50, 50)])
+    exported = collections_plan(task, plan, parts, prefix="m.")
+    assert sorted(exported.plan) == ["m.ebc", "m.ec16", "m.ec8"]
+    assert sorted(exported.plan["m.ec8"]) == ["s8", "s8b"] and exported.plan["m.ec8"]["s8b"].sharding_type == "row_wise"
+    assert exported.plan["m.ec16"]["s16"].ranks == [1]
+    with pytest.raises(InputError, match="sequence table.*EmbeddingCollection"):
+        task_to_ebc(task)
+
+
+@pytest.mark.slow
+def test_dmp_step_runs_an_embedding_collection_beside_the_bags():
+    """hardware=dmp_cpu on a task of both kinds: TorchRec's DMP over an EmbeddingBagCollection and
+    an EmbeddingCollection per sequence width, on 2 gloo processes, a sequence table row-wise."""
+    pytest.importorskip("torchrec")
+    from embshard.hardware.dmp_step import measure_dmp_steps
+
+    tables = (Table("p", 4000, 16, 3.0), Table("s8", 3000, 8, 5.0, kind="sequence"),
+              Table("s16", 2000, 16, 4.0, kind="sequence"))
+    task = Task("dmpboth", 2, 1 << 30, 256, tables)
+    plan = Plan(task.name, "x", [Shard.whole(tables[0], 0), Shard.whole(tables[2], 0),
+                                 Shard("s8", 0, 0, 8, 0, 1500), Shard("s8", 1, 0, 8, 1500, 1500)])
+    [s] = measure_dmp_steps(task, [plan], proto(1, 2))
+    assert len(s.forward_ms) == 2 and all(x > 0 for x in s.input_dist_ms + s.forward_ms + s.backward_ms)
+    assert s.step_ms > 0

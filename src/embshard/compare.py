@@ -223,15 +223,17 @@ def pieces_per_device(task: Task, plan: Plan) -> list[int]:
     return counts
 
 
-def sequence_caveat(task: Task, mode: str) -> str | None:
+def sequence_caveat(task: Task, mode: str, step: str = "kernels") -> str | None:
     """What `mode` leaves out of a task with sequence tables (one line), or None.
 
-    Under `estimated` and `measured` a sequence piece's all-to-all is its ids' vectors at the
-    uniform-access share of its rows (`Plan.device_widths`); the ids are not replayed, so a
-    row map's hot rows count as any others. `measured` times the unpooled kernels (one vector
-    per id); the cost models of `estimated` were trained on pooled kernels."""
+    Under `estimated` and `measured` (the kernels, `step="kernels"`) a sequence piece's
+    all-to-all is its ids' vectors at the uniform-access share of its rows
+    (`Plan.device_widths`); the ids are not replayed, so a row map's hot rows count as any
+    others. `measured` times the unpooled kernels (one vector per id); the cost models of
+    `estimated` were trained on pooled kernels. TorchRec's DMP step (`step="dmp"`) runs an
+    EmbeddingCollection and routes every id, which leaves nothing out: None."""
     seq = [t.name for t in task.tables if t.is_sequence]
-    if not seq or mode not in ("estimated", "measured"):
+    if not seq or mode not in ("estimated", "measured") or (mode == "measured" and step == "dmp"):
         return None
     more = f" and {len(seq) - 2} more" if len(seq) > 2 else ""
     what = ("their kernels are timed unpooled (one vector per id)" if mode == "measured" else
@@ -239,7 +241,7 @@ def sequence_caveat(task: Task, mode: str) -> str | None:
             "evaluate=measured times them unpooled)")
     return (f"task {task.name!r} has sequence table(s) {', '.join(map(repr, seq[:2]))}{more}: {what}, and their "
             "all-to-all is counted at uniform row shares, so hot rows and row maps count as any others; "
-            "evaluate=traffic replays the ids through each plan")
+            "evaluate=traffic replays the ids through each plan, hardware=dmp_cpu times TorchRec's step")
 
 
 def evaluate_task(

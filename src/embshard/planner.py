@@ -253,8 +253,10 @@ class EmbShardPlanner(ShardingPlanner):
             return []
         if "fallback" in m:
             return [f"  {m['fallback']}"]
+        split = m.get("row_split") or []
+        cut = f", {', '.join(split)} cut into row blocks over every rank" if split else ""
         return [f"  {m['pooled_tables']} pooled table(s) by {self.algorithm}, {m['sequence_tables']} sequence table(s) "
-                f"by {m['sequence_planner']} ({m['reserved_bytes']} bytes per rank reserved for them)"]
+                f"by {m['sequence_planner']}{cut} ({m['reserved_bytes']} bytes per rank reserved for them)"]
 
     def _estimate(self, task: Task, plan: Plan):
         """(DeviceCosts, what estimated them) by the `cost_model` config, or (None, why not)."""

@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -61,23 +62,32 @@ def _data_type(table) -> "object":
     )
 
 
-def task_to_ebc(task: Task, device: str | torch.device = "meta"):
-    """An `EmbeddingBagCollection` with one SUM-pooled bag per table of `task`.
-
-    The config name and the single feature name of every bag are the table name, so
-    TorchRec's parameter names (`embedding_bags.<table>.weight`) and plan keys (`<table>`)
-    are our table names.
-    """
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
+def _check_names(tables) -> None:
     probe = torch.nn.ModuleDict()
-    for t in task.tables:
+    for t in tables:
         if "." in t.name or hasattr(probe, t.name):
             raise InputError(
                 f"table {t.name!r}: TorchRec cannot hold a table of this name (it names an "
                 "nn.Module attribute or contains '.'); rename the table"
             )
+
+
+def task_to_ebc(task: Task, device: str | torch.device = "meta"):
+    """An `EmbeddingBagCollection` with one SUM-pooled bag per table of `task`.
+
+    The config name and the single feature name of every bag are the table name, so
+    TorchRec's parameter names (`embedding_bags.<table>.weight`) and plan keys (`<table>`)
+    are our table names. A task with sequence tables is refused (one line): they are no bags;
+    `task_to_collections` builds both kinds.
+    """
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    seq = [t.name for t in task.tables if t.is_sequence]
+    if seq:
+        raise InputError(f"task {task.name!r}: sequence table(s) {seq[:3]} are no EmbeddingBagCollection bags (one "
+                         "vector per id, not a sum): build an EmbeddingCollection for them (task_to_collections)")
+    _check_names(task.tables)
     configs = [
         EmbeddingBagConfig(
             name=t.name,
@@ -90,6 +100,47 @@ def task_to_ebc(task: Task, device: str | torch.device = "meta"):
         for t in task.tables
     ]
     return EmbeddingBagCollection(tables=configs, device=torch.device(device))
+
+
+def task_to_collections(task: Task, device: str | torch.device = "meta") -> dict[str, torch.nn.Module]:
+    """The collections a TorchRec model of `task` holds, by name: `ebc` (its pooled tables, as
+    `task_to_ebc`) and `ec<dim>`, one `EmbeddingCollection` per width of its sequence tables
+    (TorchRec's EmbeddingCollection holds tables of one width), each table's config name and
+    single feature the table's name."""
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    _check_names(task.tables)
+    out: dict[str, torch.nn.Module] = {}
+    pooled = tuple(t for t in task.tables if not t.is_sequence)
+    if pooled:
+        out["ebc"] = task_to_ebc(dataclasses.replace(task, tables=pooled), device)
+    for dim in sorted({t.dim for t in task.tables if t.is_sequence}):
+        configs = [EmbeddingConfig(name=t.name, feature_names=[t.name], num_embeddings=t.rows, embedding_dim=t.dim,
+                                   data_type=_data_type(t))
+                   for t in task.tables if t.is_sequence and t.dim == dim]
+        out[f"ec{dim}"] = EmbeddingCollection(tables=configs, device=torch.device(device))
+    return out
+
+
+def collections_plan(task: Task, plan: Plan, collections: dict[str, torch.nn.Module], world_size: int | None = None,
+                     device_type: str = "cpu", prefix: str = ""):
+    """One TorchRec `ShardingPlan` for `plan` over `collections` (`task_to_collections`), each
+    collection's tables keyed by its path (`prefix` + its name), as `plan_to_torchrec` exports
+    one collection."""
+    from torchrec.distributed.types import ShardingPlan
+
+    validate(task, plan)
+    out = {}
+    for name, module in collections.items():
+        names = {c.name for c in (module.embedding_bag_configs() if hasattr(module, "embedding_bag_configs")
+                                  else module.embedding_configs())}
+        sub_task = dataclasses.replace(task, tables=tuple(t for t in task.tables if t.name in names))
+        sub_plan = Plan(task.name, plan.algorithm, [s for s in plan.shards if s.table in names],
+                        row_maps=plan.row_maps)
+        out.update(plan_to_torchrec(sub_task, sub_plan, world_size=world_size, device_type=device_type,
+                                    module_path=prefix + name, check=False).plan)
+    return ShardingPlan(out)
 
 
 # ---------------------------------------------------------------------------- import

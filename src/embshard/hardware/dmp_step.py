@@ -10,16 +10,18 @@ full-width partial sums for row-wise tables), and the backward of all of it with
 optimizer update.
 
 `measure_dmp_steps` times exactly that. D gloo processes (D = the task's devices) each wrap
-the task's EmbeddingBagCollection in DistributedModelParallel once per plan (TorchRec's
-EmbeddingBagCollectionSharder, the task's optimizer fused into backward), then, under the
+the task's collections in DistributedModelParallel once per plan: an EmbeddingBagCollection of
+its pooled tables and, for its sequence tables, an EmbeddingCollection per width (one vector per
+id; `torchrec_bridge.task_to_collections`), with TorchRec's EmbeddingBagCollectionSharder and
+EmbeddingCollectionSharder and the task's optimizer fused into backward; then, under the
 measurement protocol (pinned ranks, one thread, caching allocator), visit the plans in
 interleaved order; each timed step starts from a barrier and records, per rank:
 
-* `input_dist_ms`: the sharded module's `input_dist(...)` until its ids have arrived;
-* `forward_ms`: `compute_and_output_dist(...)` until the pooled embeddings are ready
-  (lookups, output all-to-all or reduce-scatter, and waiting for the slowest rank);
-* `backward_ms`: the backward from the pooled embeddings (output distribution's backward,
-  the kernels' backward, the fused update).
+* `input_dist_ms`: the sharded modules' `input_dist(...)` until their ids have arrived;
+* `forward_ms`: `compute_and_output_dist(...)` until the embeddings are ready (lookups, output
+  all-to-all or reduce-scatter, and waiting for the slowest rank);
+* `backward_ms`: one backward from all the embeddings (output distributions' backward, the
+  kernels' backward, the fused update).
 
 Every rank feeds its own share of the global batch (ids drawn per table from seeds fixed per
 rank and repetition, so plans and sessions see the same ids). The step cost of a plan is, per
@@ -77,11 +79,12 @@ def measure_dmp_steps(task: Task, plans: Sequence[Plan], protocol: MeasurementPr
     if not plans:
         return []
     from embshard.plan import validate
-    from embshard.torchrec_bridge import plan_to_torchrec
+    from embshard.torchrec_bridge import collections_plan, task_to_collections
 
     for p in plans:
         validate(task, p)
-        plan_to_torchrec(task, p, world_size=task.num_devices)  # a plan TorchRec cannot train fails here, in one line
+        # a plan TorchRec cannot train fails here, in one line
+        collections_plan(task, p, task_to_collections(task, device="meta"), world_size=task.num_devices)
     d = task.num_devices
     cores = list(cores) if cores is not None else allowed_cores(idlest_first=True)
     if timeout_s is None:
@@ -111,8 +114,9 @@ def measure_dmp_steps(task: Task, plans: Sequence[Plan], protocol: MeasurementPr
     return out
 
 
-def local_batch(task: Task, rank: int, world: int, rng: np.random.Generator):
-    """This rank's KeyedJaggedTensor: its share of the global batch, ids of every table."""
+def local_batch(task: Task, rank: int, world: int, rng: np.random.Generator, tables: Sequence[str] | None = None):
+    """This rank's KeyedJaggedTensor: its share of the global batch, ids of every table (of
+    `tables` only, in the task's order, when given)."""
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -120,12 +124,13 @@ def local_batch(task: Task, rank: int, world: int, rng: np.random.Generator):
     from embshard.hardware.comm import batch_split
 
     b = batch_split(task.batch_size, world)[rank]
+    keep = [t for t in task.tables if tables is None or t.name in set(tables)]
     lengths, values = [], []
-    for t in task.tables:
+    for t in keep:
         idx, off = batch_indices(t, b, rng)
         lengths.append(off[1:] - off[:-1])
         values.append(idx)
-    return KeyedJaggedTensor.from_lengths_sync(keys=[t.name for t in task.tables], values=torch.cat(values),
+    return KeyedJaggedTensor.from_lengths_sync(keys=[t.name for t in keep], values=torch.cat(values),
                                                lengths=torch.cat(lengths).to(torch.int64))
 
 
@@ -169,24 +174,34 @@ def _measure(rank: int, world: int, task: Task, plans: list[Plan], protocol: Mea
              progress: bool) -> list:
     import torch
     import torch.distributed as dist
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     from embshard.search.torchrec_planner import fused_optimizer_class
-    from embshard.torchrec_bridge import plan_to_torchrec, task_to_ebc
+    from embshard.torchrec_bridge import collections_plan, task_to_collections
 
-    models = []
+    # one model per plan: the task's collections (an EmbeddingBagCollection of its pooled tables,
+    # an EmbeddingCollection per width of its sequence tables) under one module, as a model holds them
+    models = []  # per plan: [(sharded collection, its tables)]
     for plan in plans:
-        ebc = task_to_ebc(task, device="meta")
-        apply_optimizer_in_backward(fused_optimizer_class(task.optimizer), ebc.parameters(), {"lr": 0.01})
-        dmp = DistributedModelParallel(module=ebc, device=torch.device("cpu"),
-                                       plan=plan_to_torchrec(task, plan, world_size=world, device_type="cpu"),
-                                       sharders=[EmbeddingBagCollectionSharder()])
-        models.append(dmp.module)  # the ShardedEmbeddingBagCollection
+        parts = task_to_collections(task, device="meta")
+        holder = torch.nn.Module()
+        for name, module in parts.items():
+            holder.add_module(name, module)
+        apply_optimizer_in_backward(fused_optimizer_class(task.optimizer), holder.parameters(), {"lr": 0.01})
+        dmp = DistributedModelParallel(module=holder, device=torch.device("cpu"),
+                                       plan=collections_plan(task, plan, parts, world_size=world, device_type="cpu"),
+                                       sharders=[EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
+        models.append([(getattr(dmp.module, name), _names(module)) for name, module in parts.items()])
     n_batches = protocol.warmups + protocol.repetitions
-    batches = [local_batch(task, rank, world, np.random.default_rng([seed, rank, j])) for j in range(n_batches)]
-    grads: dict[int, torch.Tensor] = {}
+    # per batch, one KeyedJaggedTensor per collection (drawn from one generator, table by table)
+    batches = []
+    for j in range(n_batches):
+        rng = np.random.default_rng([seed, rank, j])
+        batches.append([local_batch(task, rank, world, rng, names) for _, names in models[0]])
+    grads: dict[tuple, torch.Tensor] = {}
     samples = [[[] for _ in PHASES] for _ in plans]  # [plan][phase][visit][rep]
     bar = None
     if progress and rank == 0:
@@ -194,28 +209,37 @@ def _measure(rank: int, world: int, task: Task, plans: list[Plan], protocol: Mea
 
         bar = tqdm(total=protocol.visits * len(plans), desc=f"DMP steps x{world}", leave=False)
 
-    def step(sebc, kjt) -> tuple[float, float, float]:
+    def step(collections, kjts) -> tuple[float, float, float]:
+        """One step of every collection: their input dists, then their lookups and output
+        dists, then one backward through all their outputs."""
         dist.barrier()
         t0 = time.perf_counter()
-        ctx = sebc.create_context()
-        dist_input = sebc.input_dist(ctx, kjt).wait().wait()
+        ctxs = [sm.create_context() for sm, _ in collections]
+        inputs = [sm.input_dist(ctx, kjt).wait().wait() for (sm, _), ctx, kjt in zip(collections, ctxs, kjts)]
         t1 = time.perf_counter()
-        out = sebc.compute_and_output_dist(ctx, dist_input)
-        kt = out.wait() if hasattr(out, "wait") else out
-        values = kt.values()
+        values = []
+        for (sm, _), ctx, x in zip(collections, ctxs, inputs):
+            out = sm.compute_and_output_dist(ctx, x)
+            out = out.wait() if hasattr(out, "wait") else out
+            # pooled: a KeyedTensor; sequence: {feature: JaggedTensor}, one vector per id
+            values += [out.values()] if hasattr(out, "values") and not isinstance(out, dict) else \
+                [jt.values() for jt in out.values()]
         t2 = time.perf_counter()
-        g = grads.get(values.numel())
-        if g is None or g.shape != values.shape:
-            g = grads[values.numel()] = torch.full_like(values, 1e-3)
-        values.backward(g)
+        gs = []
+        for i, v in enumerate(values):
+            g = grads.get((i, v.shape))
+            if g is None:
+                g = grads[(i, v.shape)] = torch.full_like(v, 1e-3)
+            gs.append(g)
+        torch.autograd.backward(values, gs)
         t3 = time.perf_counter()
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
 
     for v in range(protocol.visits):
-        for k, sebc in enumerate(models):
+        for k, collections in enumerate(models):
             for b in batches[: protocol.warmups]:
-                step(sebc, b)
-            timed = [step(sebc, b) for b in batches[protocol.warmups:]]
+                step(collections, b)
+            timed = [step(collections, b) for b in batches[protocol.warmups:]]
             for i in range(len(PHASES)):
                 samples[k][i].append([t[i] for t in timed])
             if bar is not None:
@@ -223,3 +247,9 @@ def _measure(rank: int, world: int, task: Task, plans: list[Plan], protocol: Mea
     if bar is not None:
         bar.close()
     return samples
+
+
+def _names(module) -> list[str]:
+    """The table names of a TorchRec collection (EmbeddingBagCollection or EmbeddingCollection)."""
+    configs = module.embedding_bag_configs() if hasattr(module, "embedding_bag_configs") else module.embedding_configs()
+    return [c.name for c in configs]

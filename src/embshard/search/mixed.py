@@ -6,18 +6,23 @@ TorchRec model often has an `EmbeddingCollection` of sequence tables beside its
 `EmbeddingBagCollection`s, and TorchRec's own planner plans both. `embshard.plan` (and so
 `EmbShardPlanner`) plans such a task in two parts, in one memory budget:
 
-1. the sequence tables, alone, by `SEQUENCE_PLANNER` (a table-wise heuristic that plans both
-   kinds, with their constraints honoured as for any whole-table planner); the most memory any
-   device's sequence tables take there is reserved on every device;
+1. the sequence tables, alone: one whose work (bytes a step reads, batch x lookups x dim) alone
+   exceeds an even share of every table's work is cut into TorchRec's row-wise blocks, one per
+   device, where its sharding_types allow row_wise (cutting a sequence table by rows does not
+   grow its all-to-all: every id's vector is sent once, whichever device holds its row, where a
+   pooled table's row blocks each send a full-width partial sum); the others by
+   `SEQUENCE_PLANNER` (a table-wise heuristic that plans both kinds, with their constraints
+   honoured as for any whole-table planner); the most memory any device's sequence tables take
+   there is reserved on every device;
 2. the pooled tables, alone, by the planner asked for, on the same devices with each device's
    memory less that reservation;
 3. the sequence tables placed again, whole, largest first, onto the device with the least work
    so far that has room (work: bytes a step reads, batch x lookups x dim, of the pooled pieces
    there and the sequence tables placed), so they fill the devices the pooled plan left light;
-   where a table does not fit that way, or is not placed whole in step 1 (its constraints, or too
-   large for one device), or its sharding_types leave out table_wise, step 1's placement of the
-   sequence tables is kept, which fits (every
-   device has the reservation free);
+   the row blocks of step 1 stay where they are, their work counted; where a table does not fit
+   that way, or is not placed whole in step 1 (its constraints, or too large for one device), or
+   its sharding_types leave out table_wise, step 1's placement of the sequence tables is kept,
+   which fits (every device has the reservation free);
 4. the two together, validated on the whole task;
 5. where the planner has a measured guard and hardware (shard.py `evaluate=measured`, or
    `embshard.plan(..., hardware=...)`), that guard measures the whole plan against the
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from embshard.errors import InfeasibleError
+from embshard.layouts import even_row_layout
 from embshard.plan import MemoryLedger, Plan, Shard
 from embshard.search.base import Capabilities
 from embshard.search.baselines import DeviceOrder, GreedySharder
@@ -69,10 +75,13 @@ class MixedResult:
     pooled_tables: int
     reserved_bytes: int
     fallback: str | None = None
+    #: sequence tables cut into row blocks over every device in step 1
+    row_split: tuple[str, ...] = ()
 
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {"sequence_planner": SEQUENCE_PLANNER, "sequence_tables": self.sequence_tables,
-                               "pooled_tables": self.pooled_tables, "reserved_bytes": self.reserved_bytes}
+                               "pooled_tables": self.pooled_tables, "reserved_bytes": self.reserved_bytes,
+                               "row_split": list(self.row_split)}
         if self.fallback is not None:
             out["fallback"] = self.fallback
         return out
@@ -92,7 +101,7 @@ def shard_mixed(task: Task, plan_pooled: Callable[[Task], Plan], name: str) -> M
     sequence = tuple(t for t in task.tables if t.is_sequence)
     pooled = tuple(t for t in task.tables if not t.is_sequence)
     heuristic = GreedySharder("size_lookup", name=SEQUENCE_PLANNER)
-    seq_plan = shard_constrained(heuristic, dataclasses.replace(task, tables=sequence))
+    seq_plan, split = _plan_sequence(task, sequence, heuristic)
     reserved = max(seq_plan.memory_bytes(task))
     try:
         if reserved >= task.device_memory_bytes:  # no memory left for a pooled task at all
@@ -113,12 +122,49 @@ def shard_mixed(task: Task, plan_pooled: Callable[[Task], Plan], name: str) -> M
         log.warning("%s", why)
         whole.algorithm = name
         return MixedResult(whole, len(sequence), len(pooled), reserved, why)
-    log.info("%s: %d pooled table(s) planned by %s, %d sequence table(s) by %s (%d bytes per device reserved)",
-             task.name, len(pooled), name, len(sequence), SEQUENCE_PLANNER, reserved)
-    placed = _place_by_work(task, pooled_plan, seq_plan)
+    log.info("%s: %d pooled table(s) planned by %s, %d sequence table(s) by %s%s (%d bytes per device reserved)",
+             task.name, len(pooled), name, len(sequence), SEQUENCE_PLANNER,
+             f", {len(split)} of them cut into row blocks" if split else "", reserved)
+    placed = _place_by_work(task, pooled_plan, seq_plan, set(split))
     plan = dataclasses.replace(pooled_plan, task=task.name, algorithm=name,
                                shards=list(pooled_plan.shards) + list((placed or seq_plan).shards))
-    return MixedResult(plan, len(sequence), len(pooled), reserved)
+    return MixedResult(plan, len(sequence), len(pooled), reserved, row_split=split)
+
+
+def heavy_sequence_tables(task: Task) -> tuple[Table, ...]:
+    """The sequence tables step 1 cuts into row blocks over every device: each whose work alone
+    exceeds an even share of all the tables' work, whose sharding_types allow row_wise (or name
+    none), and whose rows TorchRec's row-wise layout gives every device a block of."""
+    d = task.num_devices
+    if d < 2:
+        return ()
+    share = sum(_work(task, t, t.rows, t.dim) for t in task.tables) / d
+    return tuple(t for t in task.tables
+                 if t.is_sequence and _work(task, t, t.rows, t.dim) > share
+                 and (not t.sharding_types or "row_wise" in t.sharding_types)
+                 and all(n > 0 for _, n in even_row_layout(t.rows, d)))
+
+
+def _plan_sequence(task: Task, sequence: tuple[Table, ...], heuristic: GreedySharder) -> tuple[Plan, tuple[str, ...]]:
+    """Step 1: (the sequence tables' plan, the tables cut into row blocks). Where the others do not
+    fit beside the blocks, no table is cut."""
+    from embshard.search.constrained import shard_constrained
+
+    heavy = heavy_sequence_tables(task)
+    names = {t.name for t in heavy}
+    blocks = [Shard(t.name, d, 0, t.dim, off, n) for t in heavy
+              for d, (off, n) in enumerate(even_row_layout(t.rows, task.num_devices))]
+    rest = tuple(t for t in sequence if t.name not in names)
+    if blocks:
+        taken = max(Plan(task.name, SEQUENCE_PLANNER, blocks).memory_bytes(task))
+        if taken < task.device_memory_bytes:
+            try:
+                others = shard_constrained(heuristic, dataclasses.replace(
+                    task, tables=rest, device_memory_bytes=task.device_memory_bytes - taken)).shards if rest else []
+                return Plan(task.name, SEQUENCE_PLANNER, blocks + list(others)), tuple(t.name for t in heavy)
+            except InfeasibleError:
+                pass
+    return shard_constrained(heuristic, dataclasses.replace(task, tables=sequence)), ()
 
 
 def _work(task: Task, table: Table, rows: int, dim: int) -> float:
@@ -126,22 +172,26 @@ def _work(task: Task, table: Table, rows: int, dim: int) -> float:
     return task.batch_size * table.pooling_factor * (rows / table.rows) * dim * table.bytes_per_element
 
 
-def _place_by_work(task: Task, pooled_plan: Plan, seq_plan: Plan) -> Plan | None:
+def _place_by_work(task: Task, pooled_plan: Plan, seq_plan: Plan, split: set[str] = frozenset()) -> Plan | None:
     """Step 3 of the module docstring: the sequence tables of `seq_plan` placed again beside
-    `pooled_plan`, or None where one is not whole there or does not fit."""
+    `pooled_plan` (the row blocks of the `split` tables kept where they are), or None where one
+    is not whole there or does not fit."""
     tables = task.table_by_name
-    seq = [tables[s.table] for s in seq_plan.shards]
+    fixed = [s for s in seq_plan.shards if s.table in split]
+    seq = [tables[s.table] for s in seq_plan.shards if s.table not in split]
     if len(seq) != len({t.name for t in seq}) or any(
-            s.rows != tables[s.table].rows or s.dim != tables[s.table].dim or s.replica for s in seq_plan.shards) \
+            s.rows != tables[s.table].rows or s.dim != tables[s.table].dim or s.replica
+            for s in seq_plan.shards if s.table not in split) \
             or any(t.sharding_types and "table_wise" not in t.sharding_types for t in seq):
         return None
     # the greedy heuristics' own machinery: the memory ledger (with its look-ahead over the sequence
     # tables still to place) and the devices by (work so far, most free memory, index) in a heap
     ledger = MemoryLedger(task, pending=(task.table_memory_bytes(t) for t in seq))
-    for d, used in enumerate(pooled_plan.memory_bytes(task)):
+    both = Plan(task.name, seq_plan.algorithm, list(pooled_plan.shards) + fixed)
+    for d, used in enumerate(both.memory_bytes(task)):
         ledger.take(d, used)
     work = [0.0] * task.num_devices
-    for s in pooled_plan.shards:
+    for s in both.shards:
         work[s.device] += _work(task, tables[s.table], s.rows, s.dim)
     order = DeviceOrder([(work[d], -ledger.free[d], d) for d in range(task.num_devices)])
     shards = []
@@ -153,7 +203,7 @@ def _place_by_work(task: Task, pooled_plan: Plan, seq_plan: Plan) -> Plan | None
         work[d] += _work(task, t, t.rows, t.dim)
         order.settle(d, (work[d], -ledger.free[d], d))
         shards.append(Shard.whole(t, d))
-    return Plan(task.name, seq_plan.algorithm, shards)
+    return Plan(task.name, seq_plan.algorithm, fixed + shards)
 
 
 def guard_mixed(task: Task, result: MixedResult, sharder: Any, name: str) -> tuple[Plan, dict[str, Any] | None]:
