@@ -20,6 +20,13 @@ too, which the kernel measurement refuses):
     python shard.py task_file=OUT/task.json plan_files=[OUT/plans/*.json] algorithms=[] \
         evaluate=measured hardware=dmp_cpu out_dir=OUT/measured
 
+With `--sequence N` the model holds an EmbeddingCollection beside the bags: N more tables of the
+draw (those of the most ids a sample) as sequence tables of width `--sequence-dim`, their pooling
+factors as the sequence lengths TorchRec's planner is given; both planners plan the two
+collections, and the DMP step runs both:
+
+    python scripts/compare_planners.py --out experiments/compare_planners_seq --sequence 4
+
 Writes OUT/task.json, OUT/plans/<planner>.json and OUT/measured/ (report.json and the table).
 """
 
@@ -48,14 +55,19 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "compare_planners")
     ap.add_argument("--shard-args", nargs="*", default=[], help="more shard.py overrides, e.g. measure=quick")
+    ap.add_argument("--sequence", type=int, default=0, help="sequence tables in an EmbeddingCollection beside the bags")
+    ap.add_argument("--sequence-dim", type=int, default=32)
     args = ap.parse_args()
+    if args.sequence < 0 or args.sequence_dim < 1:
+        sys.exit("error: --sequence must be >= 0 and --sequence-dim >= 1")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
 
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     from embshard import EmbShardPlanner, validate
     from embshard.data.tasks import neuroshard_tasks, table_pool_from_dataset
@@ -65,18 +77,28 @@ def main() -> int:
     data = ROOT / "data" / f"synthetic_t856_bs512_s{args.seed}.pt"
     if not data.is_file():
         generate_synthetic(data, num_tables=856, batch_size=512, seed=args.seed)
-    (drawn,) = neuroshard_tasks(table_pool_from_dataset(data), 1, min_tables=args.tables, max_tables=args.tables,
+    n = args.tables + args.sequence
+    (drawn,) = neuroshard_tasks(table_pool_from_dataset(data), 1, min_tables=n, max_tables=n,
                                 num_devices=args.ranks, seed=args.seed, name_prefix="compare",
                                 max_total_bytes=args.max_total_bytes)
+    seq = sorted(drawn.tables, key=lambda t: (-t.pooling_factor, t.name))[: args.sequence]
+    bags = [t for t in drawn.tables if t not in seq]
     tables = [EmbeddingBagConfig(name=t.name, num_embeddings=t.rows, embedding_dim=t.dim, feature_names=[t.name])
-              for t in drawn.tables]
+              for t in bags]
     module = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    smallest = sorted(drawn.tables, key=lambda t: t.rows * t.dim)[: args.data_parallel]
+    if seq:  # an EmbeddingCollection beside the bags, as a model of both kinds holds them
+        holder = torch.nn.Module()
+        holder.ebc = module
+        holder.ec = EmbeddingCollection(tables=[EmbeddingConfig(name=t.name, num_embeddings=t.rows,
+                                                                embedding_dim=args.sequence_dim, feature_names=[t.name])
+                                                for t in seq], device=torch.device("meta"))
+        module = holder
+    smallest = sorted(bags, key=lambda t: t.rows * t.dim)[: args.data_parallel]
     constraints = {t.name: ParameterConstraints(pooling_factors=[max(t.pooling_factor, 1e-3)],
                                                 **({"sharding_types": ["data_parallel"]} if t in smallest else {}))
                    for t in drawn.tables}
     topology = Topology(world_size=args.ranks, compute_device="cpu", local_world_size=args.ranks)
-    sharders = [EmbeddingBagCollectionSharder()]
+    sharders = [EmbeddingBagCollectionSharder()] + ([EmbeddingCollectionSharder()] if seq else [])
 
     out = args.out
     plans = []
@@ -91,7 +113,18 @@ def main() -> int:
         print(planner.last_summary)
     torchrec_plan = EmbeddingShardingPlanner(topology=topology, batch_size=args.batch_size, constraints=constraints,
                                              debug=False).plan(module, sharders)
-    ours = plan_from_torchrec(task, torchrec_plan, algorithm="EmbeddingShardingPlanner")
+    if seq:  # one plan of the two collections, each read at its path
+        import dataclasses
+
+        from embshard import Plan
+
+        shards = []
+        for path, names in (("ebc", {t.name for t in bags}), ("ec", {t.name for t in seq})):
+            sub = dataclasses.replace(task, tables=tuple(t for t in task.tables if t.name in names))
+            shards += plan_from_torchrec(sub, torchrec_plan, module_path=path).shards
+        ours = Plan(task.name, "EmbeddingShardingPlanner", shards)
+    else:
+        ours = plan_from_torchrec(task, torchrec_plan, algorithm="EmbeddingShardingPlanner")
     validate(task, ours)  # TorchRec's plan under our memory model and rules, before anything is measured
     plans.insert(0, ours)
     task.save(out / "task.json")
@@ -100,7 +133,7 @@ def main() -> int:
         path = out / "plans" / f"{plan.algorithm.replace(':', '_')}.json"
         plan.save(path)
         files.append(str(path))
-    kinds = {n: ps.sharding_type for n, ps in torchrec_plan.plan[""].items()}
+    kinds = {n: ps.sharding_type for m in torchrec_plan.plan.values() for n, ps in m.items()}
     print(f"EmbeddingShardingPlanner: " + ", ".join(f"{k} {list(kinds.values()).count(k)}" for k in sorted(set(kinds.values()))))
     cmd = [sys.executable, str(ROOT / "shard.py"), f"task_file={out / 'task.json'}", f"plan_files=[{','.join(files)}]",
            "algorithms=[]", "evaluate=measured", "hardware=dmp_cpu", f"out_dir={out / 'measured'}", *args.shard_args]

@@ -33,54 +33,50 @@ def test_example_task_neuroshard_plans_its_pooled_table_and_the_sequence_tables_
     # the pooled part is NeuroShard's own plan of the pooled tables in the memory left beside the
     # sequence tables' reservation (the most any device's sequence tables take)
     _, info = plan_with_info(task, embshard.api.searcher("neuroshard"), "neuroshard")
-    # clicked_items reads more than an even share of the step's bytes alone: TorchRec's row blocks,
-    # one per device; searched_terms by the heuristic in the memory the blocks leave
-    blocks = [Shard("clicked_items", d, 0, 32, 125_000 * d, 125_000) for d in range(4)]
-    taken = max(Plan(task.name, "x", blocks).memory_bytes(task))
-    rest = GreedySharder("size_lookup").shard(dataclasses.replace(
-        task, tables=(task.table("searched_terms"),), device_memory_bytes=task.device_memory_bytes - taken))
-    step1 = Plan(task.name, "x", blocks + list(rest.shards))
+    # both sequence tables in TorchRec's row blocks, one per device
+    blocks = [Shard("clicked_items", d, 0, 32, 125_000 * d, 125_000) for d in range(4)] + [
+        Shard("searched_terms", d, 0, 16, 20_000 * d, 20_000) for d in range(4)]
+    step1 = Plan(task.name, "x", blocks)
     assert info == {"sequence_planner": SEQUENCE_PLANNER, "sequence_tables": 2, "pooled_tables": 1,
-                    "reserved_bytes": max(step1.memory_bytes(task)), "row_split": ["clicked_items"]}
-    assert sorted(map(repr, (s for s in plan.shards if s.table == "clicked_items"))) == sorted(map(repr, blocks))
+                    "reserved_bytes": max(step1.memory_bytes(task)), "row_split": ["clicked_items", "searched_terms"]}
+    assert sorted(map(repr, (s for s in plan.shards if s.table != "user_id"))) == sorted(map(repr, blocks))
     pooled = embshard.plan(dataclasses.replace(_pooled_only(task), device_memory_bytes=task.device_memory_bytes
                                                - info["reserved_bytes"]), algorithm="neuroshard")
     assert sorted(map(repr, (s for s in plan.shards if s.table == "user_id"))) == sorted(map(repr, pooled.shards))
-    # the whole sequence table does not land on a device that holds a piece of the pooled table
-    # while one holds none (every device holds a block of clicked_items alike)
-    busy = {s.device for s in pooled.shards}
-    assert len(busy) < task.num_devices
-    assert all(s.device not in busy for s in plan.shards if s.table == "searched_terms")
 
 
-def test_a_sequence_table_that_reads_more_than_an_even_share_is_cut_into_row_blocks_and_the_rest_placed_by_work():
-    # 2 devices; work = batch x lookups x dim x 4: s0 256 x 30 x 32 = 245,760 x 4, the rest together
-    # p0 256 x 2 x 16 + s1 256 x 4 x 8 + p1 256 x 1 x 8 = 18,432 x 4: s0 alone is over the even share
-    # (132,096 x 4): a block of 500 rows on each device; the other sequence table whole by work
+def test_every_sequence_table_is_cut_into_row_blocks_unless_its_types_leave_out_row_wise():
+    """TorchRec's row blocks, one per device, for each sequence table row_wise is allowed for;
+    one whose sharding_types leave it out is placed whole by work beside the blocks."""
     tables = (Table("p0", 800, 16, 2.0), Table("s0", 1000, 32, 30.0, kind="sequence"),
               Table("s1", 600, 8, 4.0, kind="sequence"), Table("p1", 300, 8, 1.0))
-    task = Task("heavy", 2, 64 * MiB, 256, tables)
+    task = Task("cut", 2, 64 * MiB, 256, tables)
     got = shard_mixed(task, GreedySharder("lookup", name="lookup_greedy").shard, "lookup_greedy")
     validate(task, got.plan)
-    assert got.row_split == ("s0",) and got.info()["row_split"] == ["s0"]
-    assert sorted((s.device, s.row_offset, s.rows) for s in got.plan.shards if s.table == "s0") == [(0, 0, 500), (1, 500, 500)]
-    where = {s.table: s.device for s in got.plan.shards if s.table != "s0"}
-    # lookup_greedy: p0 (8,192 x 4) on device 0, p1 (2,048 x 4) on device 1; s1 (8,192 x 4) to device 1
-    assert where == {"p0": 0, "p1": 1, "s1": 1}
-    # not cut: where its sharding_types leave out row_wise, or where it is no heavier than an even share
-    tw = dataclasses.replace(task, tables=tuple(dataclasses.replace(t, sharding_types=("table_wise",)) if t.name == "s0"
+    assert got.row_split == ("s0", "s1") and got.info()["row_split"] == ["s0", "s1"]
+    assert sorted((s.table, s.device, s.row_offset, s.rows) for s in got.plan.shards if s.table in ("s0", "s1")) == [
+        ("s0", 0, 0, 500), ("s0", 1, 500, 500), ("s1", 0, 0, 300), ("s1", 1, 300, 300)]
+    # s1 table_wise only: whole, on the device the pooled plan and the blocks left lighter
+    # (lookup_greedy: p0, 256 x 2 x 16, on device 0; p1, 256 x 1 x 8, on device 1)
+    tw = dataclasses.replace(task, tables=tuple(dataclasses.replace(t, sharding_types=("table_wise",)) if t.name == "s1"
                                                else t for t in tables))
-    assert shard_mixed(tw, GreedySharder("lookup", name="lookup_greedy").shard, "x").row_split == ()
-    light = dataclasses.replace(task, tables=tuple(dataclasses.replace(t, pooling_factor=1.0) if t.name == "s0"
-                                                  else t for t in tables))
-    assert shard_mixed(light, GreedySharder("lookup", name="lookup_greedy").shard, "x").row_split == ()
+    got = shard_mixed(tw, GreedySharder("lookup", name="lookup_greedy").shard, "lookup_greedy")
+    validate(tw, got.plan)
+    assert got.row_split == ("s0",)
+    assert {s.table: s.device for s in got.plan.shards if s.table != "s0"} == {"p0": 0, "p1": 1, "s1": 1}
+    # a table of fewer rows than devices gives some device no block: whole
+    few = dataclasses.replace(task, tables=tuple(dataclasses.replace(t, rows=1) if t.name == "s1" else t for t in tables))
+    assert shard_mixed(few, GreedySharder("lookup", name="lookup_greedy").shard, "x").row_split == ("s0",)
 
 
 def test_sequence_tables_go_largest_first_to_the_least_worked_device_with_room():
     # 3 devices; the pooled heuristic puts p0 (heavy) on device 0 and p1 (light) on device 1
+    # (sequence tables that may only be table_wise: not cut into row blocks)
+    tw = ("table_wise",)
     tables = (Table("p0", 1000, 64, 10.0), Table("p1", 1000, 16, 2.0),
-              Table("s0", 1000, 32, 8.0, kind="sequence"), Table("s1", 1000, 32, 4.0, kind="sequence"),
-              Table("s2", 1000, 8, 1.0, kind="sequence"))
+              Table("s0", 1000, 32, 8.0, kind="sequence", sharding_types=tw),
+              Table("s1", 1000, 32, 4.0, kind="sequence", sharding_types=tw),
+              Table("s2", 1000, 8, 1.0, kind="sequence", sharding_types=tw))
     task = Task("mix", 3, 64 * MiB, 256, tables)
     pooled = GreedySharder("lookup", name="lookup_greedy")
     got = shard_mixed(task, pooled.shard, "lookup_greedy")
@@ -95,10 +91,11 @@ def test_sequence_tables_go_largest_first_to_the_least_worked_device_with_room()
 
 
 def test_a_sequence_table_not_placed_whole_keeps_the_sequence_heuristics_placement():
-    # s0 may only be row_wise: the first step cuts it into row blocks; the sequence tables are kept
-    # as that step placed them
-    tables = (Table("p0", 1000, 64, 10.0), Table("s0", 1000, 32, 8.0, kind="sequence", sharding_types=["row_wise"]),
-              Table("s1", 1000, 32, 4.0, kind="sequence"))
+    # s0 may only be column_wise (never cut by rows here): the heuristic's constraint shaping cuts it into
+    # column slices; the sequence tables are kept as that step placed them
+    tables = (Table("p0", 1000, 64, 10.0), Table("s0", 1000, 32, 8.0, kind="sequence", sharding_types=["column_wise"],
+                                                 min_partition=16),
+              Table("s1", 1000, 32, 4.0, kind="sequence", sharding_types=["table_wise"]))
     task = Task("mixcw", 2, 64 * MiB, 256, tables)
     plan = embshard.plan(task, algorithm="neuroshard")
     validate(task, plan)  # the constraint included
@@ -113,7 +110,9 @@ def test_pooled_tables_that_do_not_fit_beside_the_reservation_fall_back_to_the_h
     # 2 devices of 10 MiB: s0 (6.1 MiB) reserves 6.1 MiB on both, so p0 (6.1 MiB, table_wise only) has no room
     # beside it; the whole task by size_lookup_greedy puts them on different devices
     row = 64 * 4
-    tables = (Table("p0", 25_000, 64, 1.0, sharding_types=["table_wise"]), Table("s0", 25_000, 64, 1.0, kind="sequence"))
+    # (s0 table_wise only: its row blocks would leave p0 room)
+    tables = (Table("p0", 25_000, 64, 1.0, sharding_types=["table_wise"]),
+              Table("s0", 25_000, 64, 1.0, kind="sequence", sharding_types=["table_wise"]))
     task = Task("fb", 2, 10 * MiB, 8, tables)
     assert all(task.table_memory_bytes(t) > 25_000 * row for t in tables)
     with caplog.at_level("WARNING", logger="embshard.search.mixed"):
@@ -127,11 +126,15 @@ def test_pooled_tables_that_do_not_fit_beside_the_reservation_fall_back_to_the_h
 
 
 def test_a_sequence_table_that_fits_no_device_is_the_sequence_heuristics_one_line_error():
-    tables = (Table("p0", 25_000, 64, 1.0), Table("s0", 40_000, 64, 1.0, kind="sequence"))
+    tables = (Table("p0", 25_000, 64, 1.0), Table("s0", 40_000, 64, 1.0, kind="sequence", sharding_types=["table_wise"]))
     with pytest.raises(InfeasibleError, match=r"^table 's0' needs \d+ bytes but the most free memory on any device is "
                        r"\d+ bytes \(device 0\): short by \d+ bytes$") as e:
         embshard.plan(Task("nofit", 2, 8 * MiB, 8, tables), algorithm="neuroshard")
     assert e.value.table == "s0" and e.value.shortfall_bytes > 0
+    # where it may be cut by rows, its two blocks fit
+    cut = embshard.plan(Task("fit", 2, 8 * MiB, 8, (tables[0], Table("s0", 40_000, 64, 1.0, kind="sequence"))),
+                        algorithm="neuroshard")
+    assert sorted(s.rows for s in cut.shards if s.table == "s0") == [20_000, 20_000]
 
 
 def test_a_task_no_plan_fits_names_the_heuristics_table_and_the_planners_own_error():
@@ -147,7 +150,7 @@ def test_a_task_no_plan_fits_names_the_heuristics_table_and_the_planners_own_err
 def test_sequence_tables_that_fill_a_device_leave_the_whole_task_to_the_heuristic():
     # 2 devices, each exactly as large as the sequence table: its reservation leaves no memory for a
     # pooled task, so the whole task goes to size_lookup_greedy (which puts p0 on the other device)
-    s0 = Table("s0", 1000, 8, 1.0, kind="sequence")
+    s0 = Table("s0", 1000, 8, 1.0, kind="sequence", sharding_types=["table_wise"])  # (its row blocks would leave room)
     probe = Task("edge", 2, 1 << 30, 8, (Table("p0", 100, 8, 1.0), s0))
     task = dataclasses.replace(probe, device_memory_bytes=probe.table_memory_bytes(s0))
     plan, info = plan_with_info(task, embshard.api.searcher("neuroshard"), "neuroshard")

@@ -6,14 +6,15 @@ TorchRec model often has an `EmbeddingCollection` of sequence tables beside its
 `EmbeddingBagCollection`s, and TorchRec's own planner plans both. `embshard.plan` (and so
 `EmbShardPlanner`) plans such a task in two parts, in one memory budget:
 
-1. the sequence tables, alone: one whose work (bytes a step reads, batch x lookups x dim) alone
-   exceeds an even share of every table's work is cut into TorchRec's row-wise blocks, one per
-   device, where its sharding_types allow row_wise (cutting a sequence table by rows does not
-   grow its all-to-all: every id's vector is sent once, whichever device holds its row, where a
-   pooled table's row blocks each send a full-width partial sum); the others by
-   `SEQUENCE_PLANNER` (a table-wise heuristic that plans both kinds, with their constraints
-   honoured as for any whole-table planner); the most memory any device's sequence tables take
-   there is reserved on every device;
+1. the sequence tables, alone: each is cut into TorchRec's row-wise blocks, one per device, where
+   its sharding_types allow row_wise and its rows give every device a block (cutting a sequence
+   table by rows does not grow its all-to-all: every id's vector is sent once, whichever device
+   holds its row, where a pooled table's row blocks each send a full-width partial sum; and it
+   spreads the unpooled lookups, which on CPU cost 10-20x pooled ones, over every device, as
+   TorchRec's planner does: measured in docs/torchrec.md); the others by `SEQUENCE_PLANNER` (a
+   table-wise heuristic that plans both kinds, with their constraints honoured as for any
+   whole-table planner); the most memory any device's sequence tables take there is reserved on
+   every device;
 2. the pooled tables, alone, by the planner asked for, on the same devices with each device's
    memory less that reservation;
 3. the sequence tables placed again, whole, largest first, onto the device with the least work
@@ -55,6 +56,10 @@ log = logging.getLogger(__name__)
 
 #: the table-wise heuristic that plans the sequence tables (and the whole task as the fallback)
 SEQUENCE_PLANNER = "size_lookup_greedy"
+#: a sequence table is cut into row blocks over every device in step 1 where its work exceeds
+#: this many even shares of all the tables' work: 0, every one (chosen on measurements of
+#: TorchRec's step, docs/torchrec.md; 1.0, only the heaviest, was 0.81x worse over six tasks)
+SPLIT_SEQUENCE_ABOVE = 0.0
 
 
 def is_mixed(capabilities: Capabilities, task: Task) -> bool:
@@ -131,16 +136,17 @@ def shard_mixed(task: Task, plan_pooled: Callable[[Task], Plan], name: str) -> M
     return MixedResult(plan, len(sequence), len(pooled), reserved, row_split=split)
 
 
-def heavy_sequence_tables(task: Task) -> tuple[Table, ...]:
+def row_split_tables(task: Task) -> tuple[Table, ...]:
     """The sequence tables step 1 cuts into row blocks over every device: each whose work alone
-    exceeds an even share of all the tables' work, whose sharding_types allow row_wise (or name
-    none), and whose rows TorchRec's row-wise layout gives every device a block of."""
+    exceeds `SPLIT_SEQUENCE_ABOVE` even shares of all the tables' work, whose sharding_types
+    allow row_wise (or name none), and whose rows TorchRec's row-wise layout gives every device
+    a block of."""
     d = task.num_devices
     if d < 2:
         return ()
     share = sum(_work(task, t, t.rows, t.dim) for t in task.tables) / d
     return tuple(t for t in task.tables
-                 if t.is_sequence and _work(task, t, t.rows, t.dim) > share
+                 if t.is_sequence and _work(task, t, t.rows, t.dim) > SPLIT_SEQUENCE_ABOVE * share
                  and (not t.sharding_types or "row_wise" in t.sharding_types)
                  and all(n > 0 for _, n in even_row_layout(t.rows, d)))
 
@@ -150,7 +156,7 @@ def _plan_sequence(task: Task, sequence: tuple[Table, ...], heuristic: GreedySha
     fit beside the blocks, no table is cut."""
     from embshard.search.constrained import shard_constrained
 
-    heavy = heavy_sequence_tables(task)
+    heavy = row_split_tables(task)
     names = {t.name for t in heavy}
     blocks = [Shard(t.name, d, 0, t.dim, off, n) for t in heavy
               for d, (off, n) in enumerate(even_row_layout(t.rows, task.num_devices))]
