@@ -227,11 +227,16 @@ def test_every_searcher_declares_what_it_is_meant_for():
         "table_wise"}
 
 
-def test_sequence_algorithms_refuse_a_pooled_task(capsys, tmp_path):
-    code, stdout, err, out = run_in_process(capsys, tmp_path, pooled_task(), "evaluate=none",
-                                            f"algorithms=[{','.join(SEQUENCE_ALGORITHMS)},size_greedy]")
+def planned_without_evaluating(capsys, tmp_path, task, algorithms) -> tuple[str, dict, Path]:
+    """shard.py evaluate=none on `task` with `algorithms` (it must exit 0): stdout, the results
+    by algorithm, the out_dir."""
+    code, stdout, err, out = run_in_process(capsys, tmp_path, task, "evaluate=none", f"algorithms=[{','.join(algorithms)}]")
     assert code == 0, err
-    by = {r["algorithm"]: r for r in report(out)["results"]}
+    return stdout, {r["algorithm"]: r for r in report(out)["results"]}, out
+
+
+def test_sequence_algorithms_refuse_a_pooled_task(capsys, tmp_path):
+    stdout, by, out = planned_without_evaluating(capsys, tmp_path, pooled_task(), SEQUENCE_ALGORITHMS + ["size_greedy"])
     for name in SEQUENCE_ALGORITHMS:
         assert by[name]["error"] == (f"refused: {name} is meant for sequence tables; task 'mine' has only pooled tables "
                                      "(neuroshard, portfolio and the table-wise heuristics plan pooled tables)")
@@ -266,10 +271,7 @@ def test_pooled_planners_plan_the_pooled_part_of_mixed_tasks_and_refuse_sequence
                 (d, block * d, block) for d in range(4)]
     assert all(by[n]["valid"] for n in ("table_wise", "row_wise", "flexshard"))
     seq_only = Task("seq", 4, 1 << 30, 64, tables[:2], devices_per_host=2)
-    code, _, err, out = run_in_process(capsys, tmp_path / "seq", seq_only, "evaluate=none",
-                                       f"algorithms=[{','.join(POOLED_ONLY)},table_wise]")
-    assert code == 0, err
-    by = {r["algorithm"]: r for r in report(out)["results"]}
+    _, by, _ = planned_without_evaluating(capsys, tmp_path / "seq", seq_only, POOLED_ONLY + ["table_wise"])
     for name in POOLED_ONLY:
         assert by[name]["error"] == (f"refused: {name} is meant for pooled tables; task 'seq' has only sequence tables "
                                      "(flexshard, row_wise and size_lookup_greedy plan sequence tables)")
