@@ -287,3 +287,17 @@ def test_dmp_step_runs_an_embedding_collection_beside_the_bags():
     [s] = measure_dmp_steps(task, [plan], proto(1, 2))
     assert len(s.forward_ms) == 2 and all(x > 0 for x in s.input_dist_ms + s.forward_ms + s.backward_ms)
     assert s.step_ms > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_of_one_kernel_steps_on_a_rebuilt_kernel_of_the_same_shards(backend):
+    """measure_compute may rebuild a kernel at a visit and replay the batches an earlier build
+    drew (inputs kept, kernel not): a device of both kinds steps on them."""
+    need_backend(backend)
+    shards = [whole(Table("p", 40, 4, 3.0)), whole(Table("s8", 30, 8, 5.0, kind="sequence")),
+              whole(Table("s16", 20, 16, 2.0, kind="sequence"))]
+    batch = make_kernel(backend, shards, 12).make_batch(np.random.default_rng(0))
+    again = make_kernel(backend, shards, 12)
+    assert again.num_inputs == len(batch.per_shard)
+    again.step(batch)
+    assert [tuple(o.shape)[1] for o in again.forward(batch)] == [4, 8, 16]

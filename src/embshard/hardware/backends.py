@@ -147,6 +147,11 @@ class DeviceKernel(ABC):
     def width(self) -> int:
         return sum(s.dim for s in self.shards)
 
+    @property
+    def num_inputs(self) -> int:
+        """Entries of `DeviceBatch.per_shard` in this kernel's batches (here: one per shard)."""
+        return len(self.shards)
+
     def make_batch(self, rng: np.random.Generator) -> DeviceBatch:
         """A fresh input, already on the kernel's device (generate these before timing)."""
         return shard_batch(self.shards, self.batch_size, rng).to(self.device)
@@ -224,6 +229,10 @@ class FbgemmKernel(DeviceKernel):
                     buf.mul_(1)
         self._grad: torch.Tensor | None = None
 
+    @property
+    def num_inputs(self) -> int:
+        return 1  # one (indices, offsets) pair for the one op
+
     def make_batch(self, rng: np.random.Generator) -> DeviceBatch:
         b = shard_batch(self.shards, self.batch_size, rng)
         # FBGEMM's layout: indices concatenated table-major, offsets over T*B bags.
@@ -276,6 +285,10 @@ class TorchKernel(DeviceKernel):
             row_off = torch.tensor([0] + list(np.cumsum(rows)[:-1]), dtype=torch.int64, device=self.device)
             w = torch.full((int(sum(rows)), d), 0.01, dtype=dtype, device=self.device)
             self.groups.append((ids, row_off, w.requires_grad_()))
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.groups)  # one (indices, offsets) pair per weight group
 
     def make_batch(self, rng: np.random.Generator) -> DeviceBatch:
         b = shard_batch(self.shards, self.batch_size, rng)
@@ -346,10 +359,15 @@ class GroupKernel(DeviceKernel):
     def __init__(self, parts: Sequence[DeviceKernel]):
         super().__init__([s for p in parts for s in p.shards], parts[0].batch_size, parts[0].device)
         self.parts = list(parts)
+        # fixed by the parts, so a batch made by another kernel of the same shards steps here too
+        self._counts = [p.num_inputs for p in self.parts]
+
+    @property
+    def num_inputs(self) -> int:
+        return sum(self._counts)
 
     def make_batch(self, rng: np.random.Generator) -> DeviceBatch:
         got = [p.make_batch(rng) for p in self.parts]
-        self._counts = [len(b.per_shard) for b in got]
         return DeviceBatch([x for b in got for x in b.per_shard], self.batch_size)
 
     def _split(self, batch: DeviceBatch) -> list[DeviceBatch]:
