@@ -193,10 +193,15 @@ def plan_task(task: Task, sharders: Mapping[str, Sharder],
             results.append(Result(task.name, name, valid=False, error=error, search_seconds=seconds))
             continue
         # A sharder may report its own pure search time (TorchRec's excludes model building).
-        seconds = getattr(sharder, "last_search_seconds", None) or seconds
-        guard = sharder.last_guard if isinstance(sharder, GuardedSharder) else None
+        # (on a task of both kinds: the whole of it, the sequence tables and the whole-plan guard too)
+        if mixed_info is None:
+            seconds = getattr(sharder, "last_search_seconds", None) or seconds
+        # (where the whole task fell back to the sequence planner, the planner's own records are
+        # of a search that failed, or of the task before: none of them is this plan's)
+        fell_back = mixed_info is not None and "fallback" in mixed_info
+        guard = sharder.last_guard if isinstance(sharder, GuardedSharder) and not fell_back else None
         guard_dict = guard.to_dict() if guard is not None else None
-        info = dict(getattr(sharder, "last_search_info", None) or {})
+        info = dict(getattr(sharder, "last_search_info", None) or {}) if not fell_back else {}
         if mixed_info is not None:  # the search and its guard saw the pooled tables only
             info["mixed"] = mixed_info
             if guard_dict is not None:
