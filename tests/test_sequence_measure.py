@@ -301,3 +301,18 @@ def test_a_batch_of_one_kernel_steps_on_a_rebuilt_kernel_of_the_same_shards(back
     assert again.num_inputs == len(batch.per_shard)
     again.step(batch)
     assert [tuple(o.shape)[1] for o in again.forward(batch)] == [4, 8, 16]
+
+
+def test_dmp_step_refuses_replicated_sequence_tables_in_one_line_before_spawning():
+    """TorchRec's data-parallel EmbeddingCollection fails inside DMP's CPU step (its output split):
+    refused before any process starts, naming the plan and the tables."""
+    pytest.importorskip("torchrec")
+    from embshard.errors import PlanError
+    from embshard.hardware.dmp_step import measure_dmp_steps
+
+    task = seq_task()
+    s, p = task.tables
+    plan = Plan(task.name, "dp", [Shard(s.name, d, 0, s.dim, 0, s.rows, replica=d) for d in range(2)] + [Shard.whole(p, 0)])
+    with pytest.raises(PlanError) as e:
+        measure_dmp_steps(task, [plan], proto(0, 1))
+    assert "'dp'" in str(e.value) and "['s']" in str(e.value) and "\n" not in str(e.value)

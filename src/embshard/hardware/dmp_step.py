@@ -39,6 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
+from embshard.errors import PlanError
 from embshard.hardware.protocol import MeasurementProtocol, Timing, allowed_cores
 from embshard.hardware.spawn import run_ranks
 from embshard.plan import Plan
@@ -81,8 +82,14 @@ def measure_dmp_steps(task: Task, plans: Sequence[Plan], protocol: MeasurementPr
     from embshard.plan import validate
     from embshard.torchrec_bridge import collections_plan, task_to_collections
 
+    tables = task.table_by_name
     for p in plans:
         validate(task, p)
+        copied = sorted({s.table for s in p.shards if s.replica and tables[s.table].is_sequence})
+        if copied:  # TorchRec 1.8's data-parallel EmbeddingCollection on CPU splits its outputs wrongly and fails
+            raise PlanError(f"plan {p.algorithm!r} replicates sequence table(s) {copied[:3]}, which TorchRec's "
+                            "EmbeddingCollection cannot run data-parallel in DMP's CPU step here (its output "
+                            "split fails): measure the kernels (hardware=fbgemm_cpu) or leave the plan out")
         # a plan TorchRec cannot train fails here, in one line
         collections_plan(task, p, task_to_collections(task, device="meta"), world_size=task.num_devices)
     d = task.num_devices
