@@ -127,7 +127,7 @@ def run(cfg: DictConfig) -> float | None:
     print(f"\n{len(tasks)} task(s), evaluate={cfg.evaluate}")
     if cfg.evaluate == "estimated":
         print(_estimate_caption(judge, results))
-    for caveat in _caveats(tasks, cfg.evaluate).values():
+    for caveat in _caveats(tasks, cfg).values():
         print(caveat)
     if cfg.evaluate == "traffic":
         from embshard.flexshard.report import format_traffic
@@ -216,11 +216,12 @@ def _estimate_caption(judge: dict[str, str | None], results) -> str:
     return "\n".join(lines)
 
 
-def _caveats(tasks, evaluate: str) -> dict[str, str]:
+def _caveats(tasks, cfg: DictConfig) -> dict[str, str]:
     """Per task, what the evaluation leaves out (report.json: `caveats`)."""
     from embshard.compare import sequence_caveat
 
-    return {t.name: c for t in tasks if (c := sequence_caveat(t, evaluate))}
+    step = str(cfg.hardware.get("step", "kernels"))
+    return {t.name: c for t in tasks if (c := sequence_caveat(t, cfg.evaluate, step))}
 
 
 def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metric: str,
@@ -252,7 +253,7 @@ def _write_outputs(staging: Path, cfg: DictConfig, tasks, results, summary, metr
         "network": network,
         "tasks": [t.name for t in tasks],
         # per task, what this evaluation leaves out (sequence tables under estimated / measured)
-        "caveats": _caveats(tasks, cfg.evaluate),
+        "caveats": _caveats(tasks, cfg),
         # per result: the ratio to its task's best heuristic, with the paired interval
         "results": [r.to_dict() | {"vs_best_heuristic": vs_heur.get((r.task, r.algorithm))} for r in results],
         "summary": summary,

@@ -316,3 +316,13 @@ def test_dmp_step_refuses_replicated_sequence_tables_in_one_line_before_spawning
     with pytest.raises(PlanError) as e:
         measure_dmp_steps(task, [plan], proto(0, 1))
     assert "'dp'" in str(e.value) and "['s']" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_shard_py_writes_no_caveat_under_torchrecs_step():
+    import shard
+    from test_honest_runs import shard_cfg
+
+    task = seq_task()
+    assert set(shard._caveats([task], shard_cfg("evaluate=measured"))) == {"seqm"}
+    assert shard._caveats([task], shard_cfg("evaluate=measured", "hardware=dmp_cpu")) == {}
+    assert set(shard._caveats([task], shard_cfg("evaluate=estimated", "hardware=dmp_cpu"))) == {"seqm"}
