@@ -281,34 +281,6 @@ def test_a_planner_added_under_a_new_name_passes_and_its_keys_are_known(capsys):
 
 
 
-def test_measuring_refuses_a_forced_data_parallel_pooled_table_before_planning(refused_in_process, tmp_path, monkeypatch):
-    """Before: every algorithm planned (and the guards ran) before the first measurement refused
-    the replicated table; on a fuzzed 120-table task that was 308 s for the same one line."""
-    from embshard.hardware.evaluator import HardwareEvaluator
-    from embshard.search import constrained
-    from embshard.search.baselines import GreedySharder
-
-    task = Task.load(ROOT / "examples" / "tasks" / "constrained.json")  # 'country' allows only data_parallel
-    assert constrained.forced_data_parallel(task) == ["country"]
-    monkeypatch.setattr(GreedySharder, "shard", lambda *a, **k: pytest.fail("planned before refusing"))
-    err = _measure_refused(refused_in_process, tmp_path, task)
-    assert err == ["error: task 'constrained': table(s) ['country'] may only be data_parallel (their sharding_types), so "
-                   "every plan replicates them, which the kernel measurement does not model; measure it as TorchRec's "
-                   "DMP step (hardware=dmp_cpu) or plan it without measuring (evaluate=estimated)"]
-    HardwareEvaluator(backend="torch", comm_backend="gloo", step="dmp").check_task(task)  # DMP's step times replicas
-    one = Task("one", 1, task.device_memory_bytes, task.batch_size, task.tables, optimizer=task.optimizer)
-    HardwareEvaluator(comm_backend=None).check_task(one)  # one device: its one copy is a plain shard
-    either = Task("either", 4, task.device_memory_bytes, task.batch_size,
-                  tuple(dataclasses.replace(t, sharding_types=["data_parallel", "row_wise"]) if t.name == "country" else t
-                        for t in task.tables), optimizer=task.optimizer)
-    assert constrained.forced_data_parallel(either) == []  # row_wise is laid out instead
-    HardwareEvaluator(comm_backend=None).check_task(either)
-    seq = Task("seq", 4, task.device_memory_bytes, task.batch_size,
-               (Table("s", 1000, 16, 4.0, kind="sequence", sharding_types=["data_parallel"]),))
-    assert constrained.forced_data_parallel(seq) == []  # pooled replicas only: measure_many refuses no sequence copy
-    HardwareEvaluator(comm_backend=None).check_task(seq)
-
-
 def test_measured_fuzzing_shrinks_tasks_to_what_this_machine_can_measure():
     """scripts/fuzz_planners.py measured: every fuzzed task, shrunk, stays a valid task within the
     limits it promises (8 devices, 120 tables, batch 8,192, 512 MiB of tables) that some plan fits."""

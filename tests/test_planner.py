@@ -346,13 +346,30 @@ def test_shard_py_plans_constrained_tasks_and_evaluates_plan_files(tmp_path, ref
     assert not (tmp_path / "bad").exists()
 
 
-def test_kernel_measurement_refuses_data_parallel_tables_it_cannot_time():
+def test_kernel_measurement_times_data_parallel_tables_and_refuses_partial_copies():
+    """A data_parallel table (a copy on every device) is timed by the kernel step: each copy pools
+    its own rank's share of the samples. A pooled copy on some devices only is refused in one line
+    (no sharding type says whose samples it serves)."""
+    import dataclasses as dc
+
     from embshard.hardware.evaluator import HardwareEvaluator
+    from embshard.hardware.protocol import MeasurementProtocol
 
     task = Task.load(ROOT / "examples" / "tasks" / "constrained.json")
-    plan = embshard.plan(task, algorithm="round_robin")
-    with pytest.raises(InputError, match=r"replicates pooled table\(s\) \['country'\].*hardware=dmp_cpu") as e:
-        HardwareEvaluator(comm_backend=None).measure_many(task, [plan])
+    small = Task(task.name, task.num_devices, task.device_memory_bytes, 256,
+                 tuple(dc.replace(t, rows=min(t.rows, 2000)) for t in task.tables), optimizer=task.optimizer)
+    plan = embshard.plan(small, algorithm="round_robin")
+    assert sorted(s.device for s in plan.shards if s.table == "country") == [0, 1, 2, 3]
+    ev = HardwareEvaluator(backend="fbgemm", comm_backend=None,  # (rowwise_adagrad: FBGEMM's kernel)
+                           protocol=MeasurementProtocol(warmups=0, repetitions=1, probe=False))
+    [c] = ev.measure_many(small, [plan])
+    assert len(c.compute_ms) == 4 and all(x > 0 for x in c.compute_ms)
+    [tags] = [s for s in plan.shards if s.table == "tags"]
+    partial = Plan(plan.task, "partial", plan.shards + [dc.replace(tags, device=(tags.device + 1) % 4, replica=1)])
+    validate(small, partial)  # a valid plan (row-level replication), but not one the kernel step can time
+    with pytest.raises(InputError, match=r"copies pooled table\(s\) \['tags'\] onto some devices but not all"
+                                         r".*hardware=dmp_cpu") as e:
+        ev.measure_many(small, [partial])
     assert "\n" not in str(e.value)
 
 

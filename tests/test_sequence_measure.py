@@ -122,6 +122,45 @@ def test_device_widths_count_one_vector_per_id_for_sequence_pieces():
     assert Plan("t", "x", cases[0][0]).device_widths(3) == [8, 4, 0]
 
 
+def test_data_parallel_floats_and_partial_pooled_copies():
+    """Each rank all-reduces rows x dim gradient values of a pooled rectangle held on every
+    device; a sequence table's copies and a pooled copy on some devices only count nothing
+    there, and the latter is named by `partly_replicated_pooled`."""
+    p, q, s = Table("p", 100, 4, 1.0), Table("q", 30, 8, 1.0), Table("s", 50, 16, 3.0, kind="sequence")
+    tables = {"p": p, "q": q, "s": s}
+    every_p = [Shard("p", d, 0, 4, 0, 100, replica=d) for d in range(3)]
+    every_s = [Shard("s", d, 0, 16, 0, 50, replica=d) for d in range(3)]
+    two_q = [Shard("q", 0, 0, 8, 0, 30), Shard("q", 2, 0, 8, 0, 30, replica=1)]
+    plan = Plan("t", "x", every_p + every_s + two_q)
+    assert plan.data_parallel_floats(3, tables) == 400
+    assert plan.partly_replicated_pooled(3, tables) == ["q"]
+    assert plan.device_widths(3, tables) == [0, 0, 0]  # q's copies send nothing (replicated pooled)
+    assert plan.data_parallel_floats(1, tables) == 0  # one device: nothing to all-reduce
+    # column halves of q, each on every device: both halves all-reduced
+    halves = [Shard("q", d, c, 4, 0, 30, replica=d) for d in range(3) for c in (0, 4)]
+    plan = Plan("t", "x", every_p + halves + [Shard.whole(s, 1)])
+    assert plan.data_parallel_floats(3, tables) == 400 + 240
+    assert plan.partly_replicated_pooled(3, tables) == []
+    assert Plan("t", "x", [Shard.whole(p, 0), Shard.whole(q, 1)]).data_parallel_floats(3, tables) == 0
+
+
+def test_a_data_parallel_copy_is_its_own_op_at_the_local_batch():
+    """TorchRec runs data-parallel tables on each rank's own samples: a pooled copy of k is
+    stepped by a pooled op of ceil(batch / k) bags beside the device's other pooled op, and its
+    output has that many rows."""
+    a, p = Table("a", 300, 8, 2.0), Table("p", 200, 4, 6.0)
+    k = make_kernel("torch", [whole(a), whole(p, copies=3)], 64)
+    assert isinstance(k, GroupKernel) and [part.batch_size for part in k.parts] == [64, 22]
+    assert k.batch_size == 64
+    batch = k.make_batch(np.random.default_rng(0))
+    assert [int(o.numel()) - 1 for _, o in batch.per_shard] == [64, 22]
+    outs = k.forward(batch)
+    assert [tuple(o.shape) for o in outs] == [(64, 8), (22, 4)]
+    k.step(batch)
+    only = make_kernel("torch", [whole(p, copies=4)], 64)  # a device with copies only
+    assert not isinstance(only, GroupKernel) and only.batch_size == 16
+
+
 def seq_task(devices: int = 2) -> Task:
     return Task("seqm", devices, 256 * 2**20, 64,
                 (Table("s", 400, 8, 6.0, kind="sequence"), Table("p", 300, 4, 2.0)))

@@ -141,6 +141,33 @@ class Plan:
                 widths[s.device] += s.dim * (t.num_poolings if t is not None else 1.0)
         return [int(round(w)) for w in widths]
 
+    def data_parallel_floats(self, num_devices: int, tables: "Mapping[str, Table]") -> int:
+        """Gradient values each rank all-reduces in a step: rows × dim of every pooled rectangle
+        held on all `num_devices` devices (TorchRec's data_parallel, synchronised by DDP). A
+        sequence rectangle's copies and a pooled rectangle on only some devices count nothing
+        here (see `partly_replicated_pooled`)."""
+        if num_devices <= 1:
+            return 0
+        holders: dict[tuple, set[int]] = {}
+        for s in self.shards:
+            t = tables.get(s.table)
+            if t is not None and not t.is_sequence:
+                holders.setdefault(s.rectangle, set()).add(s.device)
+        return sum(r[2] * r[4] for r, devs in holders.items() if len(devs) >= num_devices)
+
+    def partly_replicated_pooled(self, num_devices: int, tables: "Mapping[str, Table]") -> list[str]:
+        """Pooled tables with a rectangle copied onto some devices but not all (no sharding type of
+        TorchRec's, and no measurement here, models those copies)."""
+        holders: dict[tuple, set[int]] = {}
+        replicated: set[tuple] = set()
+        for s in self.shards:
+            t = tables.get(s.table)
+            if t is not None and not t.is_sequence:
+                holders.setdefault(s.rectangle, set()).add(s.device)
+                if s.replica:
+                    replicated.add(s.rectangle)
+        return sorted({r[0] for r in replicated if len(holders[r]) < num_devices})
+
     def memory_bytes(self, task: Task) -> list[int]:
         """Bytes each device allocates under this plan (weights, optimizer state, I/O), every
         replica counted on its own device."""

@@ -16,7 +16,10 @@ EmbeddingCollection computes them. Their kernel is a second op of the same backe
 distinct width (FBGEMM's ``PoolingMode.NONE`` takes tables of one width only; torch's
 ``F.embedding``), run after the pooled op in the same step (`make_kernel`). A sequence piece
 held in k copies serves 1/k of the samples on each (as in its memory, `Task.shard_memory_bytes`):
-copy r keeps the ids of the samples s with s % k == r.
+copy r keeps the ids of the samples s with s % k == r. A pooled piece held in k copies (TorchRec's
+data_parallel: a copy on every device) is its own pooled op at the local batch, ceil(batch / k)
+bags: TorchRec runs data-parallel tables as a separate module on each rank's own samples, whose
+outputs never enter the all-to-all.
 
 A step is forward + backward (with the update). Its input is a `DeviceBatch`, pre-generated
 before timing so index generation is not timed, and drawn fresh for every repetition:
@@ -28,7 +31,7 @@ sees only its share of the lookups, as under row-wise sharding).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -357,7 +360,7 @@ class GroupKernel(DeviceKernel):
     another: the device's whole embedding step. Its batch holds the parts' inputs in order."""
 
     def __init__(self, parts: Sequence[DeviceKernel]):
-        super().__init__([s for p in parts for s in p.shards], parts[0].batch_size, parts[0].device)
+        super().__init__([s for p in parts for s in p.shards], max(p.batch_size for p in parts), parts[0].device)
         self.parts = list(parts)
         # fixed by the parts, so a batch made by another kernel of the same shards steps here too
         self._counts = [p.num_inputs for p in self.parts]
@@ -372,8 +375,8 @@ class GroupKernel(DeviceKernel):
 
     def _split(self, batch: DeviceBatch) -> list[DeviceBatch]:
         out, at = [], 0
-        for n in self._counts:
-            out.append(DeviceBatch(batch.per_shard[at:at + n], batch.batch_size))
+        for p, n in zip(self.parts, self._counts):
+            out.append(DeviceBatch(batch.per_shard[at:at + n], p.batch_size))
             at += n
         return out
 
@@ -395,8 +398,9 @@ def make_kernel(
     device: str | torch.device = "cpu",
     optimizer: str = "sgd",
 ) -> DeviceKernel:
-    """The kernel `backend` builds for one device's shards: one pooled op, plus one unpooled
-    op per width of the device's sequence shards (a `GroupKernel` when there are several)."""
+    """The kernel `backend` builds for one device's shards: one pooled op, one pooled op at the
+    local batch ceil(batch_size / k) per number k of copies of its data-parallel pooled shards,
+    and one unpooled op per width of its sequence shards (a `GroupKernel` when there are several)."""
     if backend == "fbgemm":
         if "fbgemm" not in available_backends():
             raise InputError("backend 'fbgemm' requested but fbgemm_gpu cannot be imported; use backend='torch'")
@@ -405,11 +409,15 @@ def make_kernel(
         cls = TorchKernel
     else:
         raise InputError(f"unknown hardware backend {backend!r}; one of {list(BACKENDS)}")
-    pooled = [s for s in shards if not s.table.is_sequence]
+    pooled = [s for s in shards if not s.table.is_sequence and s.copies <= 1]
+    by_copies: dict[int, list[ShardInput]] = {}
     by_width: dict[int, list[ShardInput]] = {}
     for s in shards:
         if s.table.is_sequence:
             by_width.setdefault(s.dim, []).append(s)
+        elif s.copies > 1:  # each copy pools its own rank's samples: all of a smaller batch
+            by_copies.setdefault(int(s.copies), []).append(replace(s, copies=1))
     parts = ([cls(pooled, batch_size, device, optimizer)] if pooled or not shards else [])
+    parts += [cls(by_copies[k], -(-batch_size // k), device, optimizer) for k in sorted(by_copies)]
     parts += [cls(by_width[w], batch_size, device, optimizer, pooling="none") for w in sorted(by_width)]
     return parts[0] if len(parts) == 1 else GroupKernel(parts)

@@ -46,20 +46,27 @@ BYTES_PER_FLOAT = 4
 
 @dataclass(frozen=True)
 class CommConfig:
-    """One all-to-all to time: per-rank embedding widths and per-rank delays before entry."""
+    """One all-to-all to time: per-rank embedding widths and per-rank delays before entry;
+    `allreduce_floats` > 0 adds, after the backward all-to-all and timed with it, the all-reduce
+    of that many fp32 gradient values on every rank (data-parallel tables' gradients, as DDP
+    syncs them in TorchRec's data_parallel)."""
 
     widths: tuple[int, ...]
     delays_ms: tuple[float, ...]
+    allreduce_floats: int = 0
 
     @classmethod
-    def make(cls, widths: Sequence[int], delays_ms: Sequence[float] | None = None) -> "CommConfig":
+    def make(cls, widths: Sequence[int], delays_ms: Sequence[float] | None = None,
+             allreduce_floats: int = 0) -> "CommConfig":
         widths = tuple(int(w) for w in widths)
         delays = tuple(float(x) for x in (delays_ms if delays_ms is not None else [0.0] * len(widths)))
         if len(delays) != len(widths):
             raise ValueError(f"{len(widths)} widths but {len(delays)} delays")
         if any(w < 0 for w in widths) or any(not np.isfinite(d) or d < 0 for d in delays):
             raise ValueError("widths and delays must be non-negative")
-        return cls(widths, delays)
+        if int(allreduce_floats) < 0:
+            raise ValueError("allreduce_floats must be non-negative")
+        return cls(widths, delays, int(allreduce_floats))
 
 
 @dataclass
@@ -144,10 +151,11 @@ def measure_comm(
             raise RuntimeError(f"nccl comm on {d} ranks needs {d} GPUs, found {torch.cuda.device_count()}")
     if timeout_s is None:
         rounds = warmups + repetitions
-        per_round = sum(max(c.delays_ms) / 1e3 + 0.05 + 2e-9 * batch_size * sum(c.widths) for c in cfgs)
+        per_round = sum(max(c.delays_ms) / 1e3 + 0.05 + 2e-9 * (batch_size * sum(c.widths) + d * c.allreduce_floats)
+                        for c in cfgs)
         timeout_s = 120 + 10 * d + 4 * rounds * per_round * max(1, d / (os.cpu_count() or 1))
 
-    payload = [(c.widths, c.delays_ms) for c in cfgs]
+    payload = [(c.widths, c.delays_ms, c.allreduce_floats) for c in cfgs]
     if keep is None:
         keep = backend == "gloo" and cluster is None
     if keep:
@@ -286,19 +294,20 @@ def _measure(rank, world, dev, payload, batch_size, protocol: MeasurementProtoco
     # one buffer per role, as big as the biggest config needs; each config uses views of
     # them (a rank holds one config's worth of memory, not the sum over all configs)
     plans = []
-    for widths, delays in payload:
+    for widths, delays, *rest in payload:
         w_me = widths[rank]
         # forward: send b_p × w_me to each p, receive b_me × w_p from each p
         f_in = [split[p] * w_me for p in range(world)]
         f_out = [split[rank] * widths[p] for p in range(world)]
-        plans.append((f_in, f_out, delays[rank] / 1e3))
-    n_in = max(sum(f_in) for f_in, _, _ in plans)
-    n_out = max(sum(f_out) for _, f_out, _ in plans)
+        plans.append((f_in, f_out, delays[rank] / 1e3, int(rest[0]) if rest else 0))
+    n_in = max(sum(p[0]) for p in plans)
+    n_out = max(sum(p[1]) for p in plans)
     send, g_recv = torch.ones(n_in, device=dev), torch.empty(n_in, device=dev)
     recv, g_send = torch.empty(n_out, device=dev), torch.ones(n_out, device=dev)
-    # backward: the reverse
-    bufs = [(send[: sum(f_in)], recv[: sum(f_out)], f_in, f_out, g_send[: sum(f_out)], g_recv[: sum(f_in)], delay)
-            for f_in, f_out, delay in plans]
+    grads = torch.zeros(max(p[3] for p in plans), device=dev)  # data-parallel gradients (zeros: sums stay finite)
+    # backward: the reverse, then the data-parallel all-reduce
+    bufs = [(send[: sum(f_in)], recv[: sum(f_out)], f_in, f_out, g_send[: sum(f_out)], g_recv[: sum(f_in)], delay,
+             grads[:n_ar]) for f_in, f_out, delay, n_ar in plans]
 
     fw = [[] for _ in payload]
     bw = [[] for _ in payload]
@@ -308,7 +317,7 @@ def _measure(rank, world, dev, payload, batch_size, protocol: MeasurementProtoco
 
         bar = tqdm(total=warmups + repetitions, desc=f"all-to-all x{world}", leave=False)
     for it in range(warmups + repetitions):
-        for k, (send, recv, f_in, f_out, g_send, g_recv, delay) in enumerate(bufs):
+        for k, (send, recv, f_in, f_out, g_send, g_recv, delay, grad) in enumerate(bufs):
             sync()
             dist.barrier()
             t_start = time.perf_counter()
@@ -320,6 +329,8 @@ def _measure(rank, world, dev, payload, batch_size, protocol: MeasurementProtoco
             dist.barrier()
             t2 = time.perf_counter()
             dist.all_to_all_single(g_recv, g_send, output_split_sizes=f_in, input_split_sizes=f_out)
+            if grad.numel():
+                dist.all_reduce(grad)
             sync()
             t3 = time.perf_counter()
             if it >= warmups:

@@ -147,15 +147,6 @@ class HardwareEvaluator:
             check_fbgemm_optimizer(task.optimizer, self.device, task.name)
         if self.step == "dmp":
             self._check_dmp(task)
-        if self.step == "kernels" and task.num_devices > 1:  # (one device: its one copy is a plain shard)
-            from embshard.search.constrained import forced_data_parallel
-
-            replicated = forced_data_parallel(task)
-            if replicated:  # every plan replicates them: refuse now, not after every algorithm planned
-                raise InputError(
-                    f"task {task.name!r}: table(s) {replicated[:3]} may only be data_parallel (their sharding_types), so "
-                    "every plan replicates them, which the kernel measurement does not model; measure it as TorchRec's "
-                    "DMP step (hardware=dmp_cpu) or plan it without measuring (evaluate=estimated)")
         free = memory_free_bytes(self.device)
         # every plan puts at least an even share of the tables' training memory on some device
         share = -(-task.tables_memory_bytes() // task.num_devices)
@@ -229,12 +220,15 @@ class HardwareEvaluator:
         shard_sets: list[list[ShardInput]] = []
         for plan in plans:
             validate(task, plan)  # never measure a plan that breaks a rule
-            replicated = sorted({s.table for s in plan.shards if s.replica and not tables[s.table].is_sequence})
-            if replicated:  # each copy would be timed on the whole batch, and its gradient sync not at all
+            partial = plan.partly_replicated_pooled(d, tables)
+            if partial:  # a pooled copy on some devices only: no sharding type says whose samples it serves
                 raise InputError(
-                    f"plan {plan.algorithm!r} replicates pooled table(s) {replicated[:3]} (data_parallel), which the "
-                    "kernel measurement does not model; measure it as TorchRec's DMP step: hardware=dmp_cpu")
-            copies = Counter(s.rectangle for s in plan.shards)  # a sequence copy serves its share of the samples
+                    f"plan {plan.algorithm!r} copies pooled table(s) {partial[:3]} onto some devices but not all, which "
+                    "the kernel measurement does not model (data_parallel puts a copy on every device); measure it as "
+                    "TorchRec's DMP step: hardware=dmp_cpu")
+            # a copy serves its share of the samples (a data-parallel table's on every device: each its
+            # own rank's samples; its gradient all-reduce is timed with the backward all-to-all)
+            copies = Counter(s.rectangle for s in plan.shards)
             shard_sets.extend([ShardInput(tables[s.table], s, copies[s.rectangle]) for s in on] for on in plan.by_device(d))
 
         kw = dict(backend=self.backend, device=self.device, optimizer=task.optimizer, protocol=protocol, seed=self.seed,
@@ -255,7 +249,8 @@ class HardwareEvaluator:
             for plan, timings in zip(plans, per_plan):
                 c = [t.median_ms for t in timings]
                 lo = min(c)
-                configs.append(CommConfig.make(plan.device_widths(d, tables), [x - lo for x in c]))
+                configs.append(CommConfig.make(plan.device_widths(d, tables), [x - lo for x in c],
+                                               plan.data_parallel_floats(d, tables)))
             with self._network(task) as cluster:
                 comm = measure_comm(
                     configs,

@@ -98,13 +98,6 @@ def fixed_kinds(task: Task) -> dict[str, str]:
     return {t.name: kind for t in task.tables if (kind := fixed_kind(t, task.hosts)) is not None}
 
 
-def forced_data_parallel(task: Task) -> list[str]:
-    """The pooled tables every plan of `task` replicates (`fixed_kind` data_parallel: their
-    sharding_types leave no other shape), in task order."""
-    kinds = fixed_kinds(task)
-    return [t.name for t in task.tables if not t.is_sequence and kinds.get(t.name) == "data_parallel"]
-
-
 @dataclass
 class Reduction:
     """The task a search plans once the constrained tables are shaped (`reduce_task`)."""
