@@ -376,6 +376,30 @@ def test_analytic_ranks_heavier_device_above_lighter():
     assert c.plan_cost_ms == pytest.approx(max(c.total_ms))
 
 
+def test_analytic_prices_data_parallel_copies_at_their_share_and_their_gradient_all_reduce():
+    """A table copied onto all 4 devices: each copy looks up a quarter of the batch (less compute
+    than the whole table on one device), sends nothing in the all-to-all, and every rank's
+    backward pays the ring all-reduce of rows x dim fp32 values."""
+    m = AnalyticCostModel(cache_bytes=0)
+
+    def costs(pooling):
+        task = make_task(n_tables=2, devices=4, rows=50_000, dim=64, pooling=pooling, batch=4096)
+        t0, t1 = task.tables
+        tw = Plan(task.name, "tw", [Shard.whole(t0, 0), Shard.whole(t1, 1)])
+        dp = Plan(task.name, "dp", [Shard.whole(t0, 0)] + [Shard("t1", d, 0, 64, 0, 50_000, replica=d) for d in range(4)])
+        return m.device_costs(task, tw), m.device_costs(task, dp)
+
+    (alone, dp), (alone2, dp2) = costs(20.0), costs(40.0)
+    # twice the lookups per sample: a copy's compute grows by a quarter of the whole table's growth
+    assert dp2.compute_ms[1] - dp.compute_ms[1] == pytest.approx((alone2.compute_ms[1] - alone.compute_ms[1]) / 4)
+    assert dp.compute_ms[0] > dp.compute_ms[1] == pytest.approx(dp.compute_ms[3])  # device 0 also holds t0
+    ar = m.allreduce_ms(50_000 * 64, 4)
+    assert ar == pytest.approx(m.comm_latency_ms + 1.5 * 50_000 * 64 * 4 * 1e-6 / m.net_bandwidth_gbps)
+    no_ar = m.transfer_ms([64, 0, 0, 0], 4096)
+    assert dp.backward_comm_ms == pytest.approx([b + ar for b in no_ar])
+    assert m.allreduce_ms(10**6, 1) == 0.0 and m.allreduce_ms(0, 4) == 0.0
+
+
 def test_analytic_single_device_has_zero_comm_and_row_split_halves_work():
     task = make_task(n_tables=1, devices=1, rows=100000, dim=64, batch=4096)
     m = AnalyticCostModel(cache_bytes=0)

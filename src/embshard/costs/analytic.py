@@ -12,7 +12,8 @@ at 0, so a device whose shards fit in cache pays no miss latency.
 
 Communication (all-to-all of pooled embeddings, global batch split evenly over D ranks):
 rank r moves sent_r + received_r bytes = 4 × (Σ_{p≠r} b_p × w_r + b_r × Σ_{p≠r} w_p) in the
-forward and the same in the backward; time = comm_latency_ms + bytes / net_bandwidth. The
+forward and the same in the backward; time = comm_latency_ms + bytes / net_bandwidth; the
+backward also all-reduces the data-parallel tables' gradients (`allreduce_ms`). The
 forward comm also holds the wait for the slowest device: delay_r = compute_r + bw comm_r,
 wait_r = max_p delay_p − delay_r (NeuroShard's simulator does the same).
 
@@ -23,13 +24,14 @@ and refits in one call.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from embshard.costs.base import DeviceCosts
-from embshard.plan import Plan, Shard
+from embshard.plan import Plan, Shard, piece_table
 from embshard.tables import Table
 from embshard.task import Task
 
@@ -103,17 +105,37 @@ class AnalyticCostModel:
             return [0.0] * len(widths)
         return [self.comm_latency_ms + x * 1e-6 / self.net_bandwidth_gbps for x in self._comm_bytes(widths, batch)]
 
+    def allreduce_ms(self, floats: int, num_devices: int) -> float:
+        """One ring all-reduce of `floats` fp32 values over `num_devices` ranks (the data-parallel
+        tables' gradients, after the backward all-to-all): each rank sends and receives
+        2 (D − 1) / D of the buffer."""
+        if num_devices <= 1 or floats <= 0:
+            return 0.0
+        nbytes = 2.0 * (num_devices - 1) / num_devices * floats * BYTES_PER_FLOAT
+        return self.comm_latency_ms + nbytes * 1e-6 / self.net_bandwidth_gbps
+
     # ------------------------------------------------------------------ CostModel
     def device_costs(self, task: Task, plan: Plan) -> DeviceCosts:
         batch = self.batch_size or task.batch_size
         tables = task.table_by_name
         d = task.num_devices
-        compute = [self.compute_ms([(tables[s.table], s) for s in on], batch) for on in plan.by_device(d)]
+        copies = Counter(s.rectangle for s in plan.shards)
+        compute = []
+        for on in plan.by_device(d):
+            ops: dict[int, list[tuple[Table, Shard]]] = {}
+            for s in on:
+                t, k = tables[s.table], copies[s.rectangle]
+                if t.is_sequence and k > 1:  # a sequence copy serves 1/k of the ids (`piece_table`)
+                    ops.setdefault(1, []).append((piece_table(t, s, k), s))
+                else:  # a pooled copy of k: its own op at the local batch (`hardware.backends`)
+                    ops.setdefault(1 if t.is_sequence else k, []).append((t, s))
+            compute.append(sum(self.compute_ms(ops[k], -(-batch // k)) for k in sorted(ops)))
         bw = self.transfer_ms(plan.device_widths(d, tables), batch)
         delay = [c + b for c, b in zip(compute, bw)]
         slowest = max(delay)
         fw = [t + (slowest - x) for t, x in zip(bw, delay)] if d > 1 else [0.0]
-        return DeviceCosts(compute_ms=compute, forward_comm_ms=fw, backward_comm_ms=bw)
+        ar = self.allreduce_ms(plan.data_parallel_floats(d, tables), d)
+        return DeviceCosts(compute_ms=compute, forward_comm_ms=fw, backward_comm_ms=[b + ar for b in bw])
 
     # ------------------------------------------------------------------ fitting
     def to_dict(self) -> dict[str, Any]:
@@ -219,3 +241,9 @@ def _nnls(x: np.ndarray, y: np.ndarray, fallback: np.ndarray, iters: int = 50) -
     coef = np.maximum(coef, 0.0) / scale
     coef[~informative] = fallback[~informative]
     return coef
+
+
+def analytic_allreduce_ms(floats: int, num_devices: int) -> float:
+    """`AnalyticCostModel.allreduce_ms` at the default parameters: the data-parallel gradient
+    all-reduce where a model was never trained on one (the neural comm models, predictors)."""
+    return AnalyticCostModel().allreduce_ms(floats, num_devices)

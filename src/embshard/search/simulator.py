@@ -23,6 +23,7 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
+from embshard.costs.analytic import analytic_allreduce_ms
 from embshard.costs.base import DeviceCosts
 from embshard.costs.predictor import AnalyticPredictor, ShardPredictor, batch_ratio
 from embshard.plan import Plan, device_pieces
@@ -178,8 +179,11 @@ class PredictorCostModel:
 
     def device_costs(self, task: Task, plan: Plan) -> DeviceCosts:
         """Simulated costs at the task's batch (scaled linearly from the predictor's)."""
-        costs = self.simulator.device_costs(device_pieces(task, plan))
-        return scale_costs(costs, batch_ratio(self.predictor, task))
+        costs = scale_costs(self.simulator.device_costs(device_pieces(task, plan)), batch_ratio(self.predictor, task))
+        ar = analytic_allreduce_ms(plan.data_parallel_floats(task.num_devices, task.table_by_name), task.num_devices)
+        if ar:  # data-parallel gradients: the analytic all-reduce after the backward all-to-all
+            costs.backward_comm_ms = [x + ar for x in costs.backward_comm_ms]
+        return costs
 
 
 def scale_costs(costs: DeviceCosts, ratio: float) -> DeviceCosts:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from embshard.costs.analytic import analytic_allreduce_ms
 from embshard.costs.base import DeviceCosts
 from embshard.costs.envelope import Envelope
 from embshard.costs.features import NUM_EXTENSIVE, planning_view
@@ -167,15 +168,18 @@ class NeuralCostModels:
     def device_costs(self, task, plan) -> DeviceCosts:
         """Simulated per-device costs of `plan` (the CostModel protocol), as the hardware
         evaluator defines them, at the task's batch: compute per device; delay = compute −
-        min over devices; backward comm from widths; forward comm from widths and delays.
+        min over devices; backward comm from widths (plus the analytic all-reduce of the
+        data-parallel tables' gradients); forward comm from widths and delays.
         Tables without a reuse histogram get their imputed one."""
         view, _ = planning_view(task)
         p = self.at_batch(task.batch_size)
         compute = p.compute_ms(device_pieces(view, plan))
         widths = np.array(plan.device_widths(task.num_devices, task.table_by_name), dtype=np.float64)
         fw, bw = p.comm_ms(widths, compute - compute.min())
+        # data-parallel gradients: the analytic all-reduce (the comm models never saw one)
+        ar = analytic_allreduce_ms(plan.data_parallel_floats(task.num_devices, task.table_by_name), task.num_devices)
         return DeviceCosts(compute_ms=[float(x) for x in compute], forward_comm_ms=[float(x) for x in fw],
-                           backward_comm_ms=[float(x) for x in bw])
+                           backward_comm_ms=[float(x) + ar for x in bw])
 
     def envelope_report(self, task, plan) -> dict[str, Any]:
         """How much of `plan` the models never saw: device shards outside the training
